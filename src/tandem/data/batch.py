@@ -1,0 +1,57 @@
+"""Typed batches that cross the boundary between the driver and the workers.
+
+Token-aligned convention used everywhere: for a sequence ``input_ids[b, :]`` the per-token tensors
+(``logprobs``, ``advantages``, ``loss_mask``...) have the same shape ``[B, T]`` and entry ``t``
+refers to token ``t`` as predicted from tokens ``< t``. Entry 0 (which nothing predicts) and
+padding are 0 and masked out by ``loss_mask``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    """A right-padded batch of prompt+response sequences and the per-token training signals."""
+
+    input_ids: torch.Tensor
+    """[B, T] int64 token ids: prompt followed by response, right-padded."""
+    attention_mask: torch.Tensor
+    """[B, T] 1 for real tokens (prompt and response), 0 for padding."""
+    loss_mask: torch.Tensor
+    """[B, T] 1 for response tokens that are trained on, 0 elsewhere (prompt, padding)."""
+    advantages: torch.Tensor | None = None
+    """[B, T] float32 advantage per token (a sequence's advantage broadcast over its tokens)."""
+    old_logprobs: torch.Tensor | None = None
+    """[B, T] logprobs of the policy that generated the data, as the trainer computes them."""
+    generator_logprobs: torch.Tensor | None = None
+    """[B, T] logprobs reported by the generator (for the importance-ratio correction)."""
+    reference_logprobs: torch.Tensor | None = None
+    """[B, T] logprobs of the frozen reference policy (for the KL penalty)."""
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of trained (loss-masked) tokens."""
+        return int(self.loss_mask.sum().item())
+
+    def select(self, index: slice | torch.Tensor) -> TrainBatch:
+        """Rows ``index`` of every tensor (micro-batches, data-parallel shards)."""
+        values = {
+            f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index])
+            for f in fields(self)
+        }
+        return TrainBatch(**values)
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        values = {
+            f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
+            for f in fields(self)
+        }
+        return replace(self, **values)

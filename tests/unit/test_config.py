@@ -1,0 +1,79 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tandem.config import ConfigError, GrpoConfig, SftConfig, load_config, save_resolved
+from tandem.config.load import RECIPES_DIR
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES_DIR.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_recipe_validates(recipe: Path) -> None:
+    model = SftConfig if recipe.stem.startswith("sft") else GrpoConfig
+    config = load_config(model, recipe)
+    assert config.policy.model_path.exists()
+
+
+def test_overrides_are_typed_and_nested() -> None:
+    config = load_config(
+        GrpoConfig, None, ["policy.optimizer.lr=3e-6", "generation.sampling.stop=[a, b]"]
+    )
+    assert config.policy.optimizer.lr == pytest.approx(3e-6)
+    assert config.generation.sampling.stop == ["a", "b"]
+
+
+def test_typo_names_key_and_suggests_closest() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(GrpoConfig, None, ["policy.optimizer.lrr=1e-3"])
+    message = str(err.value)
+    assert "policy.optimizer.lrr: unknown key" in message
+    assert "did you mean 'policy.optimizer.lr'" in message
+
+
+def test_wrong_type_names_key_value_and_allowed() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(GrpoConfig, None, ["cluster.placement=sideways"])
+    message = str(err.value)
+    assert "cluster.placement" in message and '"sideways"' in message
+    assert "'colocated' or 'split'" in message
+
+
+def test_defaults_parent_is_merged_under_child(tmp_path: Path) -> None:
+    parent = tmp_path / "parent.yaml"
+    parent.write_text(yaml.safe_dump({"algorithm": {"num_steps": 7, "num_generations": 4}}))
+    child = tmp_path / "child.yaml"
+    child.write_text(yaml.safe_dump({"defaults": "parent.yaml", "algorithm": {"num_steps": 3}}))
+    config = load_config(GrpoConfig, child)
+    assert (config.algorithm.num_steps, config.algorithm.num_generations) == (3, 4)
+
+
+def test_missing_recipe_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="recipe file not found: nope.yaml"):
+        load_config(GrpoConfig, "nope.yaml")
+
+
+def test_resolved_config_round_trips(tmp_path: Path) -> None:
+    config = load_config(GrpoConfig, "grpo_arithmetic", ["algorithm.num_steps=2"])
+    save_resolved(config, tmp_path)
+    again = GrpoConfig.model_validate(yaml.safe_load((tmp_path / "config.yaml").read_text()))
+    assert again == config
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["grpo", "policy.optimzer.lr=1"], "did you mean 'policy.optimizer'"),
+        (["grpo", "policy.micro_batch_size=many"], 'policy.micro_batch_size'),
+        (["grpo", "--config", "missing.yaml"], "recipe file not found: missing.yaml"),
+    ],
+)
+def test_cli_config_errors_exit_nonzero_without_traceback(args: list[str], expected: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem", *args], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 3
