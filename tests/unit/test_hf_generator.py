@@ -1,0 +1,133 @@
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tandem.assets import DEFAULT_MODEL_DIR
+from tandem.config.models import GenerationConfig, SamplingConfig
+from tandem.generation import SamplingParams, group_rollouts, make_generator
+from tandem.generation.hf_generator import HfGenerator, filter_logits
+
+PROMPTS = ["17+25=", "3-1=", "99+99="]
+
+
+@pytest.fixture(scope="module")
+def generator() -> HfGenerator:
+    gen = make_generator(GenerationConfig(backend="hf"), DEFAULT_MODEL_DIR)
+    assert isinstance(gen, HfGenerator)
+    return gen
+
+
+def _prompt_ids(gen: HfGenerator) -> list[list[int]]:
+    return [gen.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+
+
+def _direct_logprobs(gen: HfGenerator, prompt: list[int], response: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = gen.model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def test_greedy_is_deterministic_and_batch_independent(generator: HfGenerator) -> None:
+    ids = _prompt_ids(generator)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    batched = generator.generate(ids, params)
+    assert [r.response_token_ids for r in batched] == [
+        r.response_token_ids for r in generator.generate(ids, params)
+    ]
+    alone = [generator.generate([p], params)[0] for p in ids]  # no left padding
+    assert [r.response_token_ids for r in batched] == [r.response_token_ids for r in alone]
+    for b, a in zip(batched, alone, strict=True):
+        assert b.response_logprobs == pytest.approx(a.response_logprobs, abs=1e-5)
+        assert b.finish_reason == "length" and len(b.response_token_ids) == 6
+
+
+def test_n_samples_grouped_seeded_and_logprobs_match_forward(generator: HfGenerator) -> None:
+    ids = _prompt_ids(generator)
+    params = SamplingParams(temperature=1.0, max_tokens=5, n=4, seed=7)
+    rollouts = generator.generate(ids, params)
+    groups = group_rollouts(rollouts, 4)
+    assert [{r.prompt_index for r in g} for g in groups] == [{0}, {1}, {2}]
+    assert len({tuple(r.response_token_ids) for r in groups[0]}) > 1  # random init: diverse
+    again = generator.generate(ids, params)
+    assert [r.response_token_ids for r in rollouts] == [r.response_token_ids for r in again]
+    other_seed = generator.generate(ids, SamplingParams(temperature=1.0, max_tokens=5, n=4, seed=8))
+    assert [r.response_token_ids for r in rollouts] != [r.response_token_ids for r in other_seed]
+    # a sample's stream depends on (seed, prompt, sample), not on the rest of the batch
+    solo = generator.generate([ids[1]], SamplingParams(temperature=1.0, max_tokens=5, n=4, seed=11))
+    assert [r.response_token_ids for r in solo] == [r.response_token_ids for r in groups[1]]
+    for r in rollouts:
+        expected = _direct_logprobs(generator, r.prompt_token_ids, r.response_token_ids)
+        assert torch.allclose(torch.tensor(r.response_logprobs), expected, atol=1e-5)
+
+
+def test_eos_and_stop_strings(generator: HfGenerator) -> None:
+    eos = generator.tokenizer.eos_token_id
+    ids = _prompt_ids(generator)[:1]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    first = generator.generate(ids, greedy)[0]
+    stop_text = generator.tokenizer.decode(first.response_token_ids[1:2])
+    stopped = generator.generate(
+        ids, SamplingParams(temperature=0, max_tokens=6, stop=(stop_text,))
+    )
+    assert stopped[0].finish_reason == "stop"
+    assert stop_text not in stopped[0].response_text
+    # tied embeddings: push EOS's row along the final norm so EOS is the argmax everywhere
+    original = {k: v.clone() for k, v in generator.model.state_dict().items()}
+    try:
+        generator.load_weights([("model.embed_tokens.weight", _eos_favouring(original, eos))])
+        ended = generator.generate(ids, greedy)[0]
+        assert ended.response_token_ids == [eos] and ended.finish_reason == "stop"
+        assert ended.response_text == ""
+    finally:
+        generator.load_weights(original.items())
+
+
+def _eos_favouring(state: dict[str, torch.Tensor], eos: int) -> torch.Tensor:
+    embed = state["model.embed_tokens.weight"].clone()
+    embed[eos] = embed[eos] + 50.0 * torch.sign(state["model.norm.weight"]).float()
+    return embed
+
+
+def test_load_weights_changes_outputs_and_restores(generator: HfGenerator) -> None:
+    ids = _prompt_ids(generator)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    before = generator.generate(ids, params)
+    original = load_file(str(DEFAULT_MODEL_DIR / "model.safetensors"))
+    torch.manual_seed(0)
+    perturbed = {k: v + 0.05 * torch.randn_like(v) for k, v in original.items()}
+    generator.load_weights(iter(perturbed.items()))
+    after = generator.generate(ids, params)
+    assert [r.response_logprobs for r in after] != [r.response_logprobs for r in before]
+    for r in after:  # the new weights are really in use
+        expected = _direct_logprobs(generator, r.prompt_token_ids, r.response_token_ids)
+        assert torch.allclose(torch.tensor(r.response_logprobs), expected, atol=1e-5)
+    generator.load_weights(iter(original.items()))
+    restored = generator.generate(ids, params)
+    assert [r.response_token_ids for r in restored] == [r.response_token_ids for r in before]
+    assert [r.response_logprobs for r in restored] == [r.response_logprobs for r in before]
+
+
+def test_load_weights_rejects_unknown_names(generator: HfGenerator) -> None:
+    with pytest.raises(ValueError, match="not a parameter"):
+        generator.load_weights([("model.nope.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="shape"):
+        generator.load_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_filter_logits_top_k_top_p() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    keep_k = torch.isfinite(filter_logits(logits, SamplingParams(top_k=2)))
+    assert keep_k.tolist() == [[True, True, False, False]]
+    keep_p = torch.isfinite(filter_logits(logits, SamplingParams(top_p=0.7)))
+    assert keep_p.tolist() == [[True, True, False, False]]
+    keep_all = torch.isfinite(filter_logits(logits, SamplingParams(top_p=0.99)))
+    assert keep_all.all()
+
+
+def test_sampling_params_from_config_and_validation() -> None:
+    params = SamplingParams.from_config(SamplingConfig(temperature=0.5, stop=["\n"]), n=8)
+    assert (params.temperature, params.n, params.stop, params.max_tokens) == (0.5, 8, ("\n",), 64)
+    assert params.sample_seed(2, 3) == 0 + 2 * 8 + 3
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=0)
