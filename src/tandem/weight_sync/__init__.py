@@ -1,0 +1,91 @@
+"""Refit: stream the trainer's weights into the generators, bucket by bucket.
+
+```python
+sender = make_sender(refit_config, device)       # trainer rank 0 only
+spec = sender.prepare(metadata)                  # picklable RefitSpec
+sender.send(weight_stream)                       # concurrently with, in each generator worker:
+for name, tensor in make_receiver(spec, device, rank).iter_weights(): ...
+```
+The transport (``colocated`` or ``split``) is chosen here from the config; callers never branch
+on it. Nothing in this package imports vLLM or Ray.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+if TYPE_CHECKING:  # at runtime only .transport/.bucket_bytes are read: no pydantic on GPU hosts
+    from tandem.config.models import RefitConfig
+from tandem.weight_sync.base import (
+    RefitError,
+    RefitReceiver,
+    RefitSender,
+    RefitSpec,
+    SendStats,
+    metadata_of,
+)
+from tandem.weight_sync.buckets import BucketPlan, TensorMeta, plan_buckets
+from tandem.weight_sync.colocated import ColocatedReceiver, ColocatedSender
+from tandem.weight_sync.split import SplitReceiver, SplitSender
+
+__all__ = [
+    "BucketPlan",
+    "RefitError",
+    "RefitReceiver",
+    "RefitSender",
+    "RefitSpec",
+    "SendStats",
+    "TensorMeta",
+    "make_receiver",
+    "make_sender",
+    "metadata_of",
+    "plan_buckets",
+]
+
+DEFAULT_TIMEOUT_S = 300.0
+"""How long one refit step (a bucket, the rendezvous) may wait for the other side."""
+
+
+def resolve_transport(
+    config: RefitConfig, placement: Literal["colocated", "split"] | None
+) -> Literal["colocated", "split"]:
+    """The transport of ``config``; ``auto`` follows the cluster placement."""
+    if config.transport != "auto":
+        return config.transport
+    if placement is None:
+        raise ValueError(
+            "refit.transport is 'auto': pass placement=cluster.placement to make_sender, or set "
+            "refit.transport to 'colocated' or 'split'"
+        )
+    return placement
+
+
+def make_sender(
+    config: RefitConfig,
+    device: torch.device | str,
+    *,
+    num_receivers: int = 1,
+    placement: Literal["colocated", "split"] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    host: str = "127.0.0.1",
+) -> RefitSender:
+    """The refit sender of trainer rank 0 (other trainer ranks have none).
+
+    ``num_receivers``: generator workers that receive every refit (ranks 1..N).
+    ``host``: address the receivers reach the sender's store at (the trainer node's IP when
+    generators run on other nodes). ``timeout_s`` bounds every wait for the other side.
+    """
+    device = torch.device(device)
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s}; use a positive number of seconds")
+    transport = resolve_transport(config, placement)
+    cls = ColocatedSender if transport == "colocated" else SplitSender
+    return cls(config.bucket_bytes, device, num_receivers, timeout_s, host)
+
+
+def make_receiver(spec: RefitSpec, device: torch.device | str, rank: int = 1) -> RefitReceiver:
+    """The receiver of generator worker ``rank`` (1..spec.num_receivers) for one refit."""
+    cls = ColocatedReceiver if spec.transport == "colocated" else SplitReceiver
+    return cls(spec, torch.device(device), rank)

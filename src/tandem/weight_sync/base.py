@@ -1,0 +1,297 @@
+"""What every refit transport shares: the spec, the stats, the store signals and the send loop.
+
+A transport only says how a packed bucket reaches the receivers (``_publish``), when a slot may
+be packed again (``_wait_slot``) and how a receiver obtains bucket ``i`` (``_wait_bucket``); the
+bucket order, the stream checks and the double buffering live here, once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from tandem.weight_sync.buckets import (
+    BucketPlan,
+    TensorMeta,
+    check_tensor,
+    pack_piece,
+    plan_buckets,
+    unpack_bucket,
+)
+
+NUM_SLOTS = 2
+"""Buffers that alternate: bucket i+1 is packed while bucket i is in flight."""
+
+ABORT = b"abort:"
+"""Prefix of a signal value that ends the refit on the other side with the message after it."""
+
+Transport = Literal["colocated", "split"]
+
+
+@dataclass(frozen=True)
+class RefitSpec:
+    """Everything a receiver needs for one refit; picklable (crosses Ray and collective_rpc)."""
+
+    refit_id: int
+    transport: Transport
+    device_type: str
+    """Device type of the sender's buffers ("cpu" or "cuda")."""
+    plan: BucketPlan
+    store_host: str
+    store_port: int
+    num_receivers: int
+    timeout_s: float
+    buffers: tuple[Any, ...] = ()
+    """colocated: per slot, shared-memory paths (cpu) or per-receiver CUDA IPC handles (cuda)."""
+    group_generation: int = 0
+    """split: which process group to join (a new one after a failed refit)."""
+
+
+@dataclass(frozen=True)
+class SendStats:
+    """What one ``send()`` moved and how fast."""
+
+    seconds: float
+    num_bytes: int
+    num_buckets: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "seconds": self.seconds,
+            "bytes": float(self.num_bytes),
+            "gb_per_s": self.gb_per_s,
+            "num_buckets": float(self.num_buckets),
+        }
+
+
+class RefitError(RuntimeError):
+    """A refit failed on the other side or timed out (e.g. a generator worker died)."""
+
+
+_CLIENT_STORES: dict[tuple[str, int], dist.TCPStore] = {}
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the sender's store, cached per process (one-time setup across refits)."""
+    key = (host, port)
+    if key not in _CLIENT_STORES:
+        _CLIENT_STORES[key] = dist.TCPStore(
+            host, port, None, False, timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+    return _CLIENT_STORES[key]
+
+
+def serve_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """A standalone store on a free port (not the trainer's default group)."""
+    return dist.TCPStore(host, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def wait_signals(store: dist.Store, keys: list[str], timeout_s: float, what: str) -> None:
+    """Wait for ``keys``; raise RefitError naming ``what`` on timeout or an abort signal."""
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except dist.DistStoreError as error:
+        raise RefitError(
+            f"refit timed out after {timeout_s:.0f} s waiting for {what}; a generator worker or "
+            f"the trainer probably died or stopped consuming (keys {keys[:4]})"
+        ) from error
+    for value in store.multi_get(keys):
+        if value.startswith(ABORT):
+            raise RefitError(f"refit aborted by the other side: {value[len(ABORT) :].decode()}")
+
+
+def abort_signal(message: str) -> str:
+    return ABORT.decode() + message[:2000]
+
+
+def set_signals(store: dist.Store, keys: list[str], value: str) -> None:
+    """Set every key to ``value`` (one round trip each; only a handful per refit)."""
+    for key in keys:
+        store.set(key, value)
+
+
+class _StreamCursor:
+    """Pulls the weight stream in metadata order and checks every tensor against it."""
+
+    def __init__(self, plan: BucketPlan, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._plan = plan
+        self._stream = iter(stream)
+        self._index = -1
+        self._tensor: torch.Tensor | None = None
+
+    def tensor(self, index: int) -> torch.Tensor:
+        if index != self._index:
+            assert index == self._index + 1, "plan pieces are in stream order"
+            meta = self._plan.tensors[index]
+            try:
+                name, tensor = next(self._stream)
+            except StopIteration:
+                raise ValueError(
+                    f"weight stream ended after {index} tensors but the metadata given to "
+                    f"prepare() has {len(self._plan.tensors)} (next: {meta.name!r})"
+                ) from None
+            check_tensor(meta, name, tensor)
+            self._index, self._tensor = index, tensor
+        assert self._tensor is not None
+        return self._tensor
+
+    def finish(self) -> None:
+        extra = next(self._stream, None)
+        if extra is not None:
+            raise ValueError(
+                f"weight stream yielded {extra[0]!r} after the {len(self._plan.tensors)} tensors "
+                "of the metadata given to prepare(); pass the same stream's metadata"
+            )
+        self._tensor = None
+
+
+class RefitSender:
+    """Trainer rank 0's end of a refit: ``spec = prepare(metadata)``, then ``send(stream)``."""
+
+    transport: Transport
+
+    def __init__(self, bucket_bytes: int, device: torch.device, num_receivers: int) -> None:
+        if num_receivers < 1:
+            raise ValueError(f"num_receivers={num_receivers}; a refit needs >= 1 receiver")
+        self.bucket_bytes = bucket_bytes
+        self.device = device
+        self.num_receivers = num_receivers
+        self._refit_id = 0
+        self._plan: BucketPlan | None = None
+        self._spec: RefitSpec | None = None
+
+    def prepare(self, metadata: Iterable[Any]) -> RefitSpec:
+        """Plan the buckets of the next refit and return the spec its receivers need."""
+        if self._spec is not None:
+            raise RuntimeError("prepare() called twice without send(); send the prepared refit")
+        plan = plan_buckets(metadata, self.bucket_bytes)
+        if self._plan is None or self._plan.tensors != plan.tensors:
+            self._plan = plan
+        self._refit_id += 1
+        self._spec = self._make_spec(self._refit_id, self._plan)
+        return self._spec
+
+    def send(self, weight_stream: Iterable[tuple[str, torch.Tensor]]) -> SendStats:
+        """Pack and send the stream bucket by bucket; returns when every receiver has it."""
+        spec, self._spec = self._spec, None
+        if spec is None:
+            raise RuntimeError("send() without prepare(); call prepare(metadata) first")
+        start = time.perf_counter()
+        buckets = spec.plan.buckets
+        try:
+            self._begin(spec)
+            cursor = _StreamCursor(spec.plan, weight_stream)
+            for i, bucket in enumerate(buckets):
+                slot = i % NUM_SLOTS
+                if i >= NUM_SLOTS:
+                    self._wait_slot(spec, i - NUM_SLOTS)
+                buffer = self._buffer(slot)
+                for piece in bucket.pieces:
+                    pack_piece(buffer, piece, cursor.tensor(piece.tensor_index))
+                if i == len(buckets) - 1:
+                    cursor.finish()  # before the last publish: receivers must not finish first
+                self._publish(spec, i, slot, bucket.used_bytes)
+            if not buckets:
+                cursor.finish()
+            for i in range(max(0, len(buckets) - NUM_SLOTS), len(buckets)):
+                self._wait_slot(spec, i)
+            self._end(spec)
+        except BaseException as error:
+            self._abort(spec, f"sender failed: {type(error).__name__}: {error}")
+            raise
+        finally:
+            self._release(spec)
+        seconds = time.perf_counter() - start
+        return SendStats(seconds, spec.plan.total_bytes, len(buckets))
+
+    def close(self) -> None:
+        """Free everything cached across refits (store, process group)."""
+
+    # Transport hooks.
+    def _make_spec(self, refit_id: int, plan: BucketPlan) -> RefitSpec:
+        raise NotImplementedError
+
+    def _begin(self, spec: RefitSpec) -> None:
+        raise NotImplementedError
+
+    def _buffer(self, slot: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _publish(self, spec: RefitSpec, index: int, slot: int, num_bytes: int) -> None:
+        raise NotImplementedError
+
+    def _wait_slot(self, spec: RefitSpec, index: int) -> None:
+        raise NotImplementedError
+
+    def _end(self, spec: RefitSpec) -> None:
+        raise NotImplementedError
+
+    def _abort(self, spec: RefitSpec, message: str) -> None:
+        raise NotImplementedError
+
+    def _release(self, spec: RefitSpec) -> None:
+        raise NotImplementedError
+
+
+class RefitReceiver:
+    """A generator worker's end of a refit.
+
+    ``iter_weights()`` yields ``(name, tensor)`` in metadata order. A tensor that fits a bucket
+    is a view into the receiver's (or the shared) bucket buffer: it is valid only until the
+    iterator advances past its bucket, so consumers copy it (``param.copy_``, vLLM
+    ``reload_weights``). Tensors split across buckets are yielded as owned tensors.
+    With CUDA IPC (colocated on GPU) a view still referenced after the refit keeps the trainer's
+    bucket allocated: consume the iterator inside a function, or ``del`` the loop variable.
+    """
+
+    def __init__(self, spec: RefitSpec, device: torch.device, rank: int) -> None:
+        if not 1 <= rank <= spec.num_receivers:
+            raise ValueError(
+                f"receiver rank={rank} is outside 1..{spec.num_receivers} (rank 0 is the trainer)"
+            )
+        self.spec = spec
+        self.device = device
+        self.rank = rank
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Receive the refit bucket by bucket and yield its tensors (see the class docstring)."""
+        spec = self.spec
+        partial: dict[int, torch.Tensor] = {}
+        completed = False
+        try:
+            self._begin()
+            for i, bucket in enumerate(spec.plan.buckets):
+                buffer = self._wait_bucket(i)
+                yield from unpack_bucket(buffer, bucket, spec.plan, partial)
+                self._done_bucket(i)
+            completed = True
+        finally:
+            # Also on GeneratorExit: a consumer that stops early must not leave the sender hanging.
+            self._end(completed)
+
+    def _begin(self) -> None:
+        raise NotImplementedError
+
+    def _wait_bucket(self, index: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _done_bucket(self, index: int) -> None:
+        raise NotImplementedError
+
+    def _end(self, completed: bool) -> None:
+        raise NotImplementedError
+
+
+def metadata_of(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
+    """Metadata of a stream of named tensors (works on ``meta`` tensors too)."""
+    return [TensorMeta(name, tuple(t.shape), t.dtype) for name, t in tensors]

@@ -1,0 +1,189 @@
+"""Bucket planning, packing and unpacking for refit.
+
+A bucket is a flat ``uint8`` buffer of ``bucket_bytes``. Tensors are laid out in the order of the
+weight stream, each at an offset aligned to ``ALIGN_BYTES`` and reinterpreted with
+``.view(dtype)``, so any dtype (bf16, float8, int64, 0-dim scalars) travels bit-exact.
+
+Buckets hold bytes, not one dtype: a weight stream with interleaved dtypes (FP8 weights followed
+by their fp32 scales) would otherwise need one open buffer per dtype on top of the two that
+alternate. A tensor larger than ``bucket_bytes`` is split across consecutive buckets (byte
+ranges of its flat storage); the receiver assembles it into a tensor of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+ALIGN_BYTES = 256
+"""Offset alignment inside a bucket: enough for every dtype and for vectorised copies."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Name, shape and dtype of one tensor of the weight stream."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def num_bytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes ``[tensor_start, tensor_start + num_bytes)`` of tensor ``tensor_index``, stored at
+    ``bucket_offset`` of its bucket. A tensor that fits a bucket is one piece."""
+
+    tensor_index: int
+    tensor_start: int
+    num_bytes: int
+    bucket_offset: int
+    tensor_bytes: int
+
+    @property
+    def is_whole(self) -> bool:
+        return self.num_bytes == self.tensor_bytes
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """The pieces of one bucket and the bytes it uses (what goes over the wire)."""
+
+    pieces: tuple[Piece, ...]
+    used_bytes: int
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Where every tensor of a weight stream goes; computed once per metadata, sent in the spec."""
+
+    tensors: tuple[TensorMeta, ...]
+    buckets: tuple[Bucket, ...]
+    bucket_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Payload bytes of the stream (without alignment padding)."""
+        return sum(meta.num_bytes for meta in self.tensors)
+
+
+def _align(offset: int) -> int:
+    return (offset + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def as_metadata(entries: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> list[TensorMeta]:
+    """Normalise ``(name, shape, dtype)`` triples (or ``TensorMeta``) to ``TensorMeta``."""
+    metas: list[TensorMeta] = []
+    for entry in entries:
+        if isinstance(entry, TensorMeta):
+            metas.append(entry)
+            continue
+        name, shape, dtype = entry
+        metas.append(TensorMeta(name, tuple(int(s) for s in shape), dtype))
+    return metas
+
+
+def plan_buckets(
+    metadata: Iterable[tuple[str, Sequence[int], torch.dtype]] | Iterable[TensorMeta],
+    bucket_bytes: int,
+) -> BucketPlan:
+    """Assign the tensors of a weight stream, in stream order, to buckets of ``bucket_bytes``.
+
+    A tensor starts a new bucket when it does not fit the rest of the current one; a tensor
+    larger than a whole bucket is split into bucket-sized pieces (at element boundaries).
+    """
+    if bucket_bytes < ALIGN_BYTES:
+        raise ValueError(f"refit.bucket_bytes={bucket_bytes} is too small; use >= {ALIGN_BYTES}")
+    metas = tuple(as_metadata(metadata))  # type: ignore[arg-type]
+    names = [meta.name for meta in metas]
+    if len(set(names)) != len(names):
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"weight metadata repeats tensor names {duplicates}; names must be unique")
+    buckets: list[Bucket] = []
+    pieces: list[Piece] = []
+    offset = 0
+
+    def close() -> None:
+        nonlocal pieces, offset
+        if pieces:
+            buckets.append(Bucket(tuple(pieces), offset))
+        pieces, offset = [], 0
+
+    for index, meta in enumerate(metas):
+        size = meta.num_bytes
+        if size <= bucket_bytes:
+            if _align(offset) + size > bucket_bytes:
+                close()
+            start = _align(offset)
+            pieces.append(Piece(index, 0, size, start, size))
+            offset = start + size
+            continue
+        # Too large for one bucket: whole buckets of it, element-aligned, from a fresh bucket.
+        close()
+        chunk = bucket_bytes // meta.dtype.itemsize * meta.dtype.itemsize
+        for tensor_start in range(0, size, chunk):
+            num_bytes = min(chunk, size - tensor_start)
+            pieces.append(Piece(index, tensor_start, num_bytes, 0, size))
+            offset = num_bytes
+            if num_bytes == chunk:
+                close()
+    close()
+    return BucketPlan(metas, tuple(buckets), bucket_bytes)
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``tensor`` as a 1-D uint8 view (0-dim tensors included)."""
+    tensor = tensor.contiguous()
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def pack_piece(buffer: torch.Tensor, piece: Piece, tensor: torch.Tensor) -> None:
+    """Copy the bytes of ``piece`` from ``tensor`` into the uint8 ``buffer``."""
+    src = flat_bytes(tensor)[piece.tensor_start : piece.tensor_start + piece.num_bytes]
+    dst = buffer[piece.bucket_offset : piece.bucket_offset + piece.num_bytes]
+    dst.copy_(src, non_blocking=True)
+
+
+def piece_view(buffer: torch.Tensor, piece: Piece, meta: TensorMeta) -> torch.Tensor:
+    """A view of a whole tensor stored in ``buffer`` (no copy)."""
+    raw = buffer[piece.bucket_offset : piece.bucket_offset + piece.num_bytes]
+    return raw.view(meta.dtype).view(meta.shape)
+
+
+def unpack_bucket(
+    buffer: torch.Tensor, bucket: Bucket, plan: BucketPlan, partial: dict[int, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the tensors a bucket completes: views for whole tensors, assembled tensors (owned)
+    for split ones. ``partial`` carries split tensors from one bucket to the next."""
+    for piece in bucket.pieces:
+        meta = plan.tensors[piece.tensor_index]
+        if piece.is_whole:
+            yield meta.name, piece_view(buffer, piece, meta)
+            continue
+        if piece.tensor_index not in partial:
+            partial[piece.tensor_index] = torch.empty(
+                meta.shape, dtype=meta.dtype, device=buffer.device
+            )
+        target = partial[piece.tensor_index]
+        src = buffer[piece.bucket_offset : piece.bucket_offset + piece.num_bytes]
+        flat_bytes(target)[piece.tensor_start : piece.tensor_start + piece.num_bytes].copy_(src)
+        if piece.tensor_start + piece.num_bytes == meta.num_bytes:
+            yield meta.name, partial.pop(piece.tensor_index)
+
+
+def check_tensor(meta: TensorMeta, name: str, tensor: torch.Tensor) -> None:
+    """Raise ValueError when a streamed tensor differs from the metadata given to prepare()."""
+    if name != meta.name or tuple(tensor.shape) != meta.shape or tensor.dtype != meta.dtype:
+        raise ValueError(
+            f"weight stream yielded {name!r} {tuple(tensor.shape)} {tensor.dtype} where the "
+            f"metadata given to prepare() expects {meta.name!r} {meta.shape} {meta.dtype}; "
+            "stream the tensors in the order and shapes of the metadata"
+        )

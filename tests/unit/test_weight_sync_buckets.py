@@ -1,0 +1,107 @@
+"""Bucket planning, packing and unpacking (in one process; transports are tested elsewhere)."""
+
+import pytest
+import torch
+
+from tandem.weight_sync.buckets import (
+    ALIGN_BYTES,
+    BucketPlan,
+    TensorMeta,
+    flat_bytes,
+    pack_piece,
+    plan_buckets,
+    unpack_bucket,
+)
+
+
+def _roundtrip(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> tuple[BucketPlan, dict]:
+    """Pack every bucket of the plan into one buffer and unpack it, as the transports do."""
+    plan = plan_buckets([(n, t.shape, t.dtype) for n, t in tensors.items()], bucket_bytes)
+    values = list(tensors.values())
+    out: dict[str, torch.Tensor] = {}
+    partial: dict[int, torch.Tensor] = {}
+    for bucket in plan.buckets:
+        assert bucket.used_bytes <= bucket_bytes
+        buffer = torch.full((bucket_bytes,), 0xAB, dtype=torch.uint8)
+        for piece in bucket.pieces:
+            assert piece.bucket_offset % ALIGN_BYTES == 0
+            pack_piece(buffer, piece, values[piece.tensor_index])
+        for name, view in unpack_bucket(buffer, bucket, plan, partial):
+            out[name] = view.clone()
+    assert not partial
+    return plan, out
+
+
+def _assert_bit_exact(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(flat_bytes(got[name]), flat_bytes(tensor)), name
+
+
+def test_exactly_full_bucket_then_next() -> None:
+    metas = [
+        ("a", (2**14,), torch.float32),
+        ("b", (2**14,), torch.float32),
+        ("c", (1,), torch.int8),
+    ]
+    plan = plan_buckets(metas, 2**17)  # a and b fill the bucket to the byte
+    assert [len(b.pieces) for b in plan.buckets] == [2, 1]
+    assert plan.buckets[0].used_bytes == 2**17
+
+
+def test_one_tensor_per_bucket_when_each_nearly_fills_it() -> None:
+    metas = [(f"w{i}", (2**14 - 1,), torch.float32) for i in range(3)]
+    plan = plan_buckets(metas, 2**16)
+    assert [[p.tensor_index for p in b.pieces] for b in plan.buckets] == [[0], [1], [2]]
+
+
+def test_mixed_dtypes_and_scalars_roundtrip_bit_exact() -> None:
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "bf16": torch.randn(37, 5, generator=gen).to(torch.bfloat16),
+        "f8": torch.randint(0, 256, (19, 3), generator=gen, dtype=torch.uint8).view(
+            torch.float8_e4m3fn
+        ),
+        "step": torch.tensor(123456789012, dtype=torch.int64),  # 0-dim int64
+        "scale": torch.tensor(0.5),  # 0-dim fp32
+        "empty": torch.empty(0, 4),
+        "f32": torch.randn(3, 7, 11, generator=gen),
+        "mask": torch.tensor([True, False, True]),
+    }
+    plan, out = _roundtrip(tensors, 2**16)
+    assert len(plan.buckets) == 1
+    _assert_bit_exact(tensors, out)
+
+
+def test_tensor_larger_than_bucket_is_split_and_reassembled() -> None:
+    gen = torch.Generator().manual_seed(1)
+    tensors = {
+        "small": torch.randn(10, generator=gen),
+        "embed": torch.randn(300, 111, generator=gen).to(torch.bfloat16),  # 66,600 B > 65,536
+        "huge": torch.randn(50_001, generator=gen),  # 200,004 B: 4 buckets
+        "tail": torch.randn(7, generator=gen),
+    }
+    plan, out = _roundtrip(tensors, 2**16)
+    split = [p for b in plan.buckets for p in b.pieces if not p.is_whole]
+    assert {plan.tensors[p.tensor_index].name for p in split} == {"embed", "huge"}
+    assert all(p.num_bytes % 2 == 0 for p in split)  # element boundaries
+    _assert_bit_exact(tensors, out)
+
+
+def test_empty_stream_has_no_buckets() -> None:
+    plan = plan_buckets([], 2**16)
+    assert plan.buckets == () and plan.total_bytes == 0
+
+
+def test_duplicate_names_and_tiny_buckets_are_rejected() -> None:
+    with pytest.raises(ValueError, match="repeats tensor names"):
+        plan_buckets([("a", (1,), torch.float32), ("a", (2,), torch.float32)], 2**16)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets([("a", (1,), torch.float32)], 16)
+
+
+def test_metadata_accepts_tensor_meta_and_counts_bytes() -> None:
+    meta = TensorMeta("x", (2, 3), torch.bfloat16)
+    assert meta.num_bytes == 12
+    assert plan_buckets([meta], 2**16).total_bytes == 12

@@ -1,0 +1,192 @@
+"""Colocated and split refit end to end: the sender here, receivers in spawned processes."""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tandem.config.models import RefitConfig
+from tandem.weight_sync import RefitError, make_receiver, make_sender, metadata_of
+from tandem.weight_sync.buckets import flat_bytes
+
+BUCKET_BYTES = 2**16
+TIMEOUT_S = 4.0
+
+
+def random_state_dict(seed: int) -> dict[str, torch.Tensor]:
+    """~20 tensors of mixed dtypes spanning several 64 KiB buckets (one split across three)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {
+        "embed.weight": torch.randn(400, 100, generator=gen).to(torch.bfloat16),  # 80 KB: split
+    }
+    for layer in range(4):
+        prefix = f"layers.{layer}."
+        tensors[prefix + "q.weight"] = torch.randn(64, 96, generator=gen)
+        tensors[prefix + "q.weight_fp8"] = torch.randint(
+            0, 256, (96, 64), generator=gen, dtype=torch.uint8
+        ).view(torch.float8_e4m3fn)
+        tensors[prefix + "q.scale"] = torch.rand((), generator=gen)
+        tensors[prefix + "norm.weight"] = torch.randn(96, generator=gen).to(torch.bfloat16)
+    tensors["step"] = torch.tensor(seed * 10**12, dtype=torch.int64)
+    tensors["head.weight"] = torch.randn(200, 90, generator=gen)  # 72 KB: split
+    return tensors
+
+
+def _receiver_main(rank: int, transport_specs: Any, results: Any, die_after: int) -> None:
+    """Receive refits until None; report (rank, refit_id, count, mismatches) per refit."""
+    results.put(("ready", rank))
+    while (spec := transport_specs.get()) is not None:
+        try:
+            expected = random_state_dict(spec.refit_id)
+            count, mismatches = 0, []
+            for name, tensor in make_receiver(spec, "cpu", rank).iter_weights():
+                ref = expected[name]
+                same = tensor.shape == ref.shape and tensor.dtype == ref.dtype
+                if not (same and torch.equal(flat_bytes(tensor), flat_bytes(ref))):
+                    mismatches.append(name)
+                count += 1
+                if count == die_after:
+                    os._exit(3)  # a generator worker crashing mid-refit
+            results.put((rank, spec.refit_id, count, mismatches))
+        except Exception as error:  # report, so the test fails with the cause
+            results.put((rank, spec.refit_id, -1, [repr(error)]))
+
+
+def _leftover_shm() -> list[str]:
+    return glob.glob(f"/dev/shm/tandem-refit-{os.getpid()}-*")
+
+
+class Receivers:
+    """Spawned receiver processes fed one spec per refit."""
+
+    def __init__(self, num: int, die_after: int = 0) -> None:
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.queues = [ctx.Queue() for _ in range(num)]
+        self.procs = [
+            ctx.Process(target=_receiver_main, args=(rank, q, self.results, die_after))
+            for rank, q in enumerate(self.queues, start=1)
+        ]
+        for proc in self.procs:
+            proc.start()
+        # Spawning imports torch (seconds here): not part of the refit timeouts under test.
+        assert sorted(self.results.get(timeout=60) for _ in self.procs) == [
+            ("ready", rank) for rank in range(1, num + 1)
+        ]
+
+    def refit(self, sender: Any) -> list[tuple]:
+        state = random_state_dict(sender._refit_id + 1)
+        spec = sender.prepare(metadata_of(state.items()))
+        for q in self.queues:
+            q.put(spec)
+        stats = sender.send(iter(state.items()))
+        assert stats.num_buckets == len(spec.plan.buckets) >= 5
+        assert stats.num_bytes == sum(t.numel() * t.element_size() for t in state.values())
+        return [self.results.get(timeout=30) for _ in self.queues]
+
+    def close(self) -> None:
+        for q in self.queues:
+            q.put(None)
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _sender(transport: str, num_receivers: int = 1) -> Any:
+    config = RefitConfig(transport=transport, bucket_bytes=BUCKET_BYTES)  # type: ignore[arg-type]
+    return make_sender(config, "cpu", num_receivers=num_receivers, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize(("transport", "num_receivers"), [("colocated", 1), ("split", 2)])
+def test_two_refits_bit_exact(transport: str, num_receivers: int) -> None:
+    sender = _sender(transport, num_receivers)
+    receivers = Receivers(num_receivers)
+    try:
+        num_tensors = len(random_state_dict(0))
+        for refit_id in (1, 2):  # the second refit reuses the cached store / process group
+            reports = sorted(receivers.refit(sender))
+            assert reports == [(r, refit_id, num_tensors, []) for r in range(1, num_receivers + 1)]
+            assert _leftover_shm() == []
+    finally:
+        receivers.close()
+        sender.close()
+
+
+@pytest.mark.parametrize("transport", ["colocated", "split"])
+def test_receiver_dying_mid_refit_fails_the_sender(transport: str) -> None:
+    sender = _sender(transport)
+    receivers = Receivers(1, die_after=6)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RefitError, match=r"died|aborted|failed|timed out"):
+            receivers.refit(sender)
+        assert time.monotonic() - start < 3 * TIMEOUT_S
+        assert _leftover_shm() == []
+    finally:
+        receivers.close()
+
+
+def _send_in_thread(sender: Any, stream: Any) -> tuple[threading.Thread, dict]:
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["stats"] = sender.send(stream)
+        except Exception as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def test_wrong_stream_fails_both_sides_without_leftovers() -> None:
+    sender = _sender("colocated")
+    state = random_state_dict(0)
+    spec = sender.prepare(metadata_of(state.items()))
+    assert len(_leftover_shm()) == 2  # the two shared buckets exist until the receiver attaches
+    stream = ((("oops" if n == "layers.1.q.scale" else n), t) for n, t in state.items())
+    thread, outcome = _send_in_thread(sender, stream)
+    with pytest.raises(RefitError, match=r"expects 'layers\.1\.q\.scale'"):
+        for _ in make_receiver(spec, "cpu").iter_weights():
+            pass
+    thread.join(timeout=30)
+    assert isinstance(outcome["error"], ValueError)
+    assert _leftover_shm() == []
+
+
+def test_consumer_stopping_early_fails_the_sender_fast() -> None:
+    sender = _sender("colocated")
+    state = random_state_dict(0)
+    spec = sender.prepare(metadata_of(state.items()))
+    thread, outcome = _send_in_thread(sender, iter(state.items()))
+    start = time.monotonic()
+    weights = make_receiver(spec, "cpu").iter_weights()
+    next(weights)
+    weights.close()  # the consumer gives up after one tensor
+    thread.join(timeout=30)
+    assert isinstance(outcome["error"], RefitError), outcome
+    assert time.monotonic() - start < TIMEOUT_S  # signalled, not timed out
+    assert _leftover_shm() == []
+
+
+def test_empty_stream_and_auto_transport() -> None:
+    sender = _sender("colocated")
+    spec = sender.prepare([])
+    thread, outcome = _send_in_thread(sender, iter([]))
+    assert list(make_receiver(spec, "cpu").iter_weights()) == []
+    thread.join(timeout=30)
+    assert outcome["stats"].num_buckets == 0
+    with pytest.raises(ValueError, match="placement"):
+        make_sender(RefitConfig(), "cpu")
+    assert make_sender(RefitConfig(), "cpu", placement="split").transport == "split"
+    with pytest.raises(ValueError, match="rank"):
+        make_receiver(spec, "cpu", rank=2)
