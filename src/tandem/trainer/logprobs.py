@@ -1,0 +1,63 @@
+"""Token logprobs from a causal LM without materialising full-vocabulary fp32 logits for the
+whole batch: the LM head and log-softmax run over chunks of tokens."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def _chunk_logprobs(
+    hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = F.linear(hidden, head_weight).float()
+    logp = torch.log_softmax(logits, dim=-1)
+    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if with_entropy:
+        entropy = -(logp.exp() * logp).sum(-1)
+    else:
+        entropy = torch.zeros_like(picked)
+    return picked, entropy
+
+
+class LogprobModel(nn.Module):
+    """Wraps a Hugging Face causal LM; ``forward`` returns token-aligned logprobs ``[B, T]``
+    (entry t = log p(token t | tokens < t), entry 0 = 0) and the entropy of each prediction.
+
+    Being the FSDP root, it gathers the embeddings, final norm and LM head for its forward. With
+    gradients, every chunk is checkpointed, so backward keeps one chunk's logits alive, not all.
+    """
+
+    def __init__(self, lm: nn.Module, chunk_size: int):
+        super().__init__()
+        self.lm = lm
+        self.chunk_size = chunk_size
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        body = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.model
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        head_weight = self.lm.get_output_embeddings().weight
+        flat_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        flat_targets = input_ids[:, 1:].reshape(-1)
+        picked, entropy = [], []
+        for start in range(0, flat_targets.numel(), self.chunk_size):
+            h = flat_hidden[start : start + self.chunk_size]
+            t = flat_targets[start : start + self.chunk_size]
+            if torch.is_grad_enabled():
+                lp, ent = checkpoint(
+                    _chunk_logprobs, h, head_weight, t, with_entropy, use_reentrant=False
+                )
+            else:
+                lp, ent = _chunk_logprobs(h, head_weight, t, with_entropy)
+            picked.append(lp)
+            entropy.append(ent)
+        shape = (input_ids.shape[0], input_ids.shape[1] - 1)
+        zeros = torch.zeros(input_ids.shape[0], 1, device=hidden.device)
+        logprobs = torch.cat([zeros, torch.cat(picked).view(shape)], dim=1)
+        entropies = torch.cat([zeros, torch.cat(entropy).view(shape)], dim=1)
+        mask = attention_mask.to(logprobs.dtype)
+        return logprobs * mask, entropies * mask
