@@ -50,7 +50,7 @@ def test_defaults_parent_is_merged_under_child(tmp_path: Path) -> None:
 
 
 def test_missing_recipe_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="recipe file not found: nope.yaml"):
+    with pytest.raises(ConfigError, match=r"recipe file not found: nope\.yaml"):
         load_config(GrpoConfig, "nope.yaml")
 
 
@@ -65,7 +65,7 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
     "args, expected",
     [
         (["grpo", "policy.optimzer.lr=1"], "did you mean 'policy.optimizer'"),
-        (["grpo", "policy.micro_batch_size=many"], 'policy.micro_batch_size'),
+        (["grpo", "policy.micro_batch_size=many"], "policy.micro_batch_size"),
         (["grpo", "--config", "missing.yaml"], "recipe file not found: missing.yaml"),
     ],
 )

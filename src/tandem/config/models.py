@@ -236,6 +236,8 @@ class SftConfig(Section):
     cluster: ClusterConfig = ClusterConfig()
     policy: PolicyConfig = PolicyConfig()
     algorithm: SftAlgorithmConfig = SftAlgorithmConfig()
+    generation: GenerationConfig = GenerationConfig()
+    """Generator used for held-out evaluation (greedy, refit before every evaluation)."""
     data: DataConfig = DataConfig()
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -102,12 +102,12 @@ class Generator(abc.ABC):
         """Update the weights in place from ``(hf_name, tensor)`` pairs, then reset any prefix
         cache. The stream must cover whole layers (a refit sends every weight)."""
 
-    def receive_weights(self, spec: Any) -> None:
-        """Run the ``weight_sync`` receiver described by ``spec`` (as receiver rank 1, the only
-        one of a single-process generator) and load what it yields."""
+    def receive_weights(self, spec: Any, first_rank: int = 1) -> None:
+        """Run the ``weight_sync`` receiver described by ``spec`` (as receiver ``first_rank``:
+        generator ``i`` of a group is ``1 + i``) and load what it yields."""
         from tandem.weight_sync import make_receiver
 
-        self.load_weights(make_receiver(spec, self.device, rank=1).iter_weights())
+        self.load_weights(make_receiver(spec, self.device, rank=first_rank).iter_weights())
 
     def sleep(self) -> None:  # noqa: B027 - optional capability, default no-op
         """Release weights and KV cache memory (colocated mode). No-op where unsupported."""

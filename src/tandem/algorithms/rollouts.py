@@ -1,0 +1,69 @@
+"""From generator rollouts to scored, padded training batches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tandem.data.batch import TrainBatch
+from tandem.generation.base import Rollout
+
+
+@dataclass
+class Scores:
+    rewards: list[float]
+    """One reward per rollout, in rollout order."""
+
+
+RewardFn = Callable[[str, str, str], float]
+
+
+def score_rollouts(
+    reward: RewardFn,
+    prompts: Sequence[dict[str, str]],
+    rollouts: Sequence[Rollout],
+    decode: Callable[[list[int]], str],
+) -> Scores:
+    """Reward of every rollout against its prompt's reference answer.
+
+    A reward function that raises is reported with the sample it failed on, never swallowed.
+    """
+    rewards = []
+    for rollout in rollouts:
+        item = prompts[rollout.prompt_index]
+        response = rollout.response_text or decode(rollout.response_token_ids)
+        try:
+            rewards.append(float(reward(item["prompt"], response, item["answer"])))
+        except Exception as err:
+            raise RuntimeError(
+                f"reward function failed on prompt {item['prompt']!r}, response {response!r}, "
+                f"answer {item['answer']!r}: {type(err).__name__}: {err}"
+            ) from err
+    return Scores(rewards=rewards)
+
+
+def rollouts_to_batch(rollouts: Sequence[Rollout], pad_token_id: int) -> TrainBatch:
+    """Right-padded prompt+response batch; the loss covers the response tokens only."""
+    lengths = [len(r.prompt_token_ids) + len(r.response_token_ids) for r in rollouts]
+    size, width = len(rollouts), max(lengths)
+    input_ids = torch.full((size, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((size, width), dtype=torch.long)
+    loss_mask = torch.zeros((size, width), dtype=torch.float32)
+    generator_logprobs = torch.zeros((size, width), dtype=torch.float32)
+    for row, rollout in enumerate(rollouts):
+        prompt, response = rollout.prompt_token_ids, rollout.response_token_ids
+        start, end = len(prompt), len(prompt) + len(response)
+        input_ids[row, :end] = torch.tensor([*prompt, *response], dtype=torch.long)
+        attention_mask[row, :end] = 1
+        loss_mask[row, start:end] = 1.0
+        generator_logprobs[row, start:end] = torch.tensor(
+            rollout.response_logprobs, dtype=torch.float32
+        )
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        generator_logprobs=generator_logprobs,
+    )

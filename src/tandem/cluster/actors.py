@@ -1,0 +1,134 @@
+"""The classes Ray runs as actors: thin compositions of the plain workers with their refit side.
+
+Nothing here imports ray: ``WorkerGroup`` wraps these classes at run time, and tests drive them
+directly in one process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.config.models import GenerationConfig, PolicyConfig, RefitConfig
+from tandem.data.batch import TrainBatch
+
+
+def default_device(local_rank: int = 0) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class TrainerWorker:
+    """One trainer rank: the policy (and, with a KL penalty, a frozen reference) plus, on rank 0,
+    the refit sender."""
+
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        refit: RefitConfig,
+        generation: GenerationConfig,
+        rank: int = 0,
+        world_size: int = 1,
+        with_reference: bool = False,
+        num_receivers: int = 1,
+    ):
+        from tandem.trainer import PolicyTrainer
+
+        self.rank = rank
+        self.generation = generation
+        self.policy = PolicyTrainer(policy, rank=rank, world_size=world_size)
+        self.reference = (
+            PolicyTrainer(policy, rank=rank, world_size=world_size, trainable=False)
+            if with_reference
+            else None
+        )
+        self.refit_config = refit
+        self.num_receivers = num_receivers
+        self._sender: Any = None
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self.policy.logprobs(batch)
+
+    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        assert self.reference is not None, "built without a reference policy"
+        return self.reference.logprobs(batch)
+
+    def train(self, batch: TrainBatch, loss_fn: Any) -> dict[str, float]:
+        return self.policy.train(batch, loss_fn)
+
+    def _weight_stream(self, stream: Any) -> Any:
+        if self.generation.precision == "fp8":
+            from tandem.quant.fp8 import quantize_weight_stream
+
+            stream = quantize_weight_stream(stream)
+        return stream
+
+    def prepare_refit(self) -> Any:
+        """Refit metadata and rendezvous (rank 0 returns the spec, other ranks None)."""
+        if self.rank != 0:
+            return None
+        from tandem.weight_sync import make_sender, metadata_of
+
+        if self._sender is None:
+            self._sender = make_sender(
+                self.refit_config, default_device(), num_receivers=self.num_receivers
+            )
+        metas = [
+            (name, torch.empty(shape, dtype=dtype, device="meta"))
+            for name, shape, dtype in self.policy.weight_metadata()
+        ]
+        stream = self._weight_stream(iter(metas))
+        return self._sender.prepare(metadata_of(stream))
+
+    def send_weights(self) -> dict[str, float]:
+        """Stream the weights (a collective over trainer ranks; rank 0 sends)."""
+        stream = self._weight_stream(self.policy.iter_weights())
+        if self.rank != 0:
+            for _ in stream:  # other ranks take part in the gathers only
+                pass
+            return {}
+        return self._sender.send(stream).as_dict()
+
+    def save_checkpoint(self, path: str) -> None:
+        self.policy.save_checkpoint(Path(path))
+
+    def load_checkpoint(self, path: str) -> None:
+        self.policy.load_checkpoint(Path(path))
+
+    def export_hf(self, path: str) -> None:
+        self.policy.export_hf(Path(path))
+
+    def offload(self) -> None:
+        self.policy.offload()
+
+    def onload(self) -> None:
+        self.policy.onload()
+
+
+class GeneratorWorker:
+    """One generation engine (vLLM, or transformers as the fallback)."""
+
+    def __init__(self, generation: GenerationConfig, model_path: str, rank: int = 0):
+        self.first_receiver_rank = 1 + rank * generation.tensor_parallel_size
+        from tandem.generation import make_generator
+
+        self.rank = rank
+        self.generator = make_generator(generation, Path(model_path), str(default_device(rank)))
+
+    def generate(self, prompt_token_ids: list[list[int]], params: Any) -> list[Any]:
+        return self.generator.generate(prompt_token_ids, params)
+
+    def receive_weights(self, spec: Any) -> None:
+        self.generator.receive_weights(spec, first_rank=self.first_receiver_rank)
+
+    def sleep(self) -> None:
+        self.generator.sleep()
+
+    def wake_up(self) -> None:
+        self.generator.wake_up()
+
+    def shutdown(self) -> None:
+        self.generator.shutdown()

@@ -1,0 +1,126 @@
+"""Prompt sources for RL: the embedded arithmetic task, or JSONL/Parquet files via ``datasets``.
+
+A source's data order is a pure function of (seed, step), so a resumed run sees exactly the
+prompts an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tandem.config.models import DataConfig
+
+RewardFn = Callable[[str, str, str], float]
+
+
+class PromptSource:
+    """Prompts (``{"prompt", "answer"}`` dicts), their tokenizer and their reward."""
+
+    def __init__(
+        self,
+        train: list[dict[str, str]],
+        eval_items: list[dict[str, str]],
+        tokenizer: Any,
+        reward: RewardFn,
+        seed: int,
+    ):
+        if not train:
+            raise ValueError("the training prompt set is empty")
+        self.train = train
+        self.eval_items = eval_items
+        self.tokenizer = tokenizer
+        self.reward = reward
+        self.seed = seed
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def train_prompts(self, step: int, count: int) -> list[dict[str, str]]:
+        """The ``count`` prompts of step ``step``: epochs of seeded permutations, in order."""
+        out = []
+        for position in range(step * count, (step + 1) * count):
+            epoch, offset = divmod(position, len(self.train))
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.train))
+            out.append(self.train[int(order[offset])])
+        return out
+
+    def eval_prompts(self, count: int) -> list[dict[str, str]]:
+        return self.eval_items[:count]
+
+
+def make_prompt_source(
+    config: DataConfig, model_path: Path, reward: RewardFn, seed: int, num_train: int = 20000
+) -> PromptSource:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    if config.task == "arithmetic":
+        from tandem.data.arithmetic import ArithmeticTask
+
+        task = ArithmeticTask(seed=seed)
+        train = task.train_prompts(num_train, random.Random(seed))
+        eval_items = task.eval_prompts(config.num_eval_prompts)
+    else:
+        assert config.train_path is not None  # checked by DataConfig
+        train = load_prompt_file(config.train_path, config)
+        eval_items = load_prompt_file(config.eval_path, config) if config.eval_path else train
+    return PromptSource(train, eval_items, tokenizer, reward, seed)
+
+
+def load_prompt_file(path: Path, config: DataConfig) -> list[dict[str, str]]:
+    """Rows of a JSONL or Parquet file as ``{"prompt", "answer"}`` with the prompt template
+    applied. A malformed row stops the run with the file and line (row) that is wrong."""
+    if not path.is_file():
+        raise ValueError(f"data file not found: {path}")
+    if path.suffix == ".jsonl":
+        _check_jsonl(path, (config.prompt_key, config.answer_key))
+    import datasets
+
+    kind = "parquet" if path.suffix == ".parquet" else "json"
+    rows = datasets.load_dataset(kind, data_files=str(path), split="train")
+    items = []
+    for index, row in enumerate(rows):
+        for key in (config.prompt_key, config.answer_key):
+            if row.get(key) is None:
+                raise ValueError(f"{path}: row {index + 1} has no {key!r}")
+        try:
+            prompt = config.prompt_template.format(question=row[config.prompt_key], **row)
+        except KeyError as err:
+            raise ValueError(
+                f"data.prompt_template uses {err} but {path} row {index + 1} has no such column"
+            ) from None
+        items.append({"prompt": prompt, "answer": str(row[config.answer_key])})
+    return items
+
+
+def _check_jsonl(path: Path, required: tuple[str, ...]) -> None:
+    with path.open() as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_number}: not valid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{line_number}: expected a JSON object per line")
+            missing = [key for key in required if key not in row]
+            if missing:
+                raise ValueError(
+                    f"{path}:{line_number}: missing key(s) {missing} (set data.prompt_key / "
+                    "data.answer_key to the file's column names)"
+                )

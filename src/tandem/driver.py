@@ -1,0 +1,203 @@
+"""The driver process of a run: run directory, worker runtime, the step loop, evaluation,
+checkpoints and resume. The algorithms' arithmetic lives in ``tandem.algorithms``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tandem.config import GrpoConfig, SftConfig, save_resolved
+from tandem.config.models import CheckpointConfig, LoggingConfig
+from tandem.logging.metrics import MetricsLogger, read_metrics
+from tandem.logging.plots import plot_run
+
+COMPLETE_MARKER = "COMPLETE"
+
+
+def make_run_dir(logging: LoggingConfig, kind: str, resume: bool) -> Path:
+    if logging.name is not None:
+        return logging.run_dir / logging.name
+    if resume:
+        candidates = sorted(
+            (
+                p
+                for p in logging.run_dir.glob(f"{kind}-*")
+                if (p / "checkpoints" / "latest").exists()
+            ),
+            key=lambda p: p.stat().st_mtime,
+        )
+        if not candidates:
+            raise ValueError(f"--resume: no {kind} run with a checkpoint under {logging.run_dir}")
+        return candidates[-1]
+    return logging.run_dir / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+class Checkpoints:
+    """``run/checkpoints/step_N/`` written atomically (temp dir, then rename) plus a ``latest``
+    pointer; the previous complete checkpoint stays until the new one is complete."""
+
+    def __init__(self, run_dir: Path, config: CheckpointConfig):
+        self.root = run_dir / "checkpoints"
+        self.config = config
+
+    def due(self, step: int, last_step: int) -> bool:
+        if not self.config.enabled:
+            return False
+        return step == last_step or (self.config.every > 0 and step % self.config.every == 0)
+
+    def save(self, step: int, runtime: Any, state: dict[str, Any]) -> Path:
+        final = self.root / f"step_{step}"
+        tmp = self.root / f"step_{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        runtime.save_checkpoint(str((tmp / "trainer").resolve()))
+        (tmp / "driver_state.json").write_text(json.dumps({"step": step, **state}))
+        (tmp / COMPLETE_MARKER).touch()
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = self.root / "latest.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, self.root / "latest")
+        self._prune()
+        return final
+
+    def latest(self) -> Path | None:
+        pointer = self.root / "latest"
+        if not pointer.exists():
+            return None
+        path = self.root / pointer.read_text().strip()
+        return path if (path / COMPLETE_MARKER).exists() else None
+
+    def load(self, runtime: Any) -> dict[str, Any]:
+        path = self.latest()
+        if path is None:
+            raise ValueError(f"--resume: no complete checkpoint under {self.root}")
+        runtime.load_checkpoint(str((path / "trainer").resolve()))
+        return dict(json.loads((path / "driver_state.json").read_text()))
+
+    def _prune(self) -> None:
+        done = sorted(
+            (p for p in self.root.glob("step_*") if (p / COMPLETE_MARKER).exists()),
+            key=lambda p: int(p.name.split("_")[1]),
+        )
+        for old in done[: -self.config.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _truncate_metrics(run_dir: Path, after_step: int) -> None:
+    """On resume, drop metrics logged after the checkpoint (they will be recomputed)."""
+    records = [r for r in read_metrics(run_dir) if r["step"] <= after_step]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def run_loop(
+    config: GrpoConfig | SftConfig,
+    kind: str,
+    runtime: Any,
+    num_steps: int,
+    eval_every: int,
+    step_fn: Callable[[int], dict[str, float]],
+    eval_fn: Callable[[], dict[str, float]],
+    resume: bool,
+) -> list[dict[str, Any]]:
+    """The step loop shared by every algorithm: evaluation, logging, checkpoints, resume."""
+    run_dir = make_run_dir(config.logging, kind, resume)
+    save_resolved(config, run_dir)
+    checkpoints = Checkpoints(run_dir, config.checkpoint)
+    start = 0
+    if resume:
+        start = int(checkpoints.load(runtime)["step"])
+        _truncate_metrics(run_dir, start)
+        runtime.refit()
+    with MetricsLogger(config.logging, run_dir, num_steps, start_step=start) as logger:
+        logger.info(f"run directory: {run_dir}")
+        if start == 0 and eval_every > 0:
+            logger.log(0, eval_fn())
+        for step in range(start + 1, num_steps + 1):
+            metrics = step_fn(step)
+            if eval_every > 0 and (step % eval_every == 0 or step == num_steps):
+                metrics.update(eval_fn())
+            logger.log(step, metrics)
+            if checkpoints.due(step, num_steps):
+                checkpoints.save(step, runtime, {})
+    records = read_metrics(run_dir)
+    plot_run(records, run_dir / "reward.png", title=f"{kind}: {run_dir.name}")
+    return records
+
+
+def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
+    from tandem.algorithms.grpo import evaluate, grpo_step
+    from tandem.cluster.runtime import Runtime, RuntimeSpec
+    from tandem.data.prompts import make_prompt_source
+    from tandem.rewards import load_reward
+
+    algo = config.algorithm
+    source = make_prompt_source(
+        config.data, config.policy.model_path, load_reward(config.data.reward), seed=algo.seed
+    )
+    spec = RuntimeSpec(
+        config.cluster, config.policy, config.generation, config.refit, algo.kl_coef > 0
+    )
+    with Runtime(spec) as runtime:
+        return run_loop(
+            config,
+            "grpo",
+            runtime,
+            algo.num_steps,
+            algo.eval_every,
+            lambda step: (
+                grpo_step(
+                    runtime,
+                    config,
+                    source.train_prompts(step - 1, algo.prompts_per_step),
+                    step,
+                    source,
+                ).metrics
+            ),
+            lambda: evaluate(
+                runtime, source, config.data.num_eval_prompts, config.generation.sampling
+            ),
+            resume,
+        )
+
+
+def run_sft(config: SftConfig, resume: bool = False) -> list[dict[str, Any]]:
+    """SFT; held-out accuracy is measured by refitting a generator before each evaluation."""
+    from tandem.algorithms.grpo import evaluate
+    from tandem.algorithms.sft import sft_step
+    from tandem.cluster.runtime import Runtime, RuntimeSpec
+    from tandem.config.models import RefitConfig
+    from tandem.data.prompts import make_prompt_source
+    from tandem.rewards import load_reward
+
+    algo = config.algorithm
+    source = make_prompt_source(
+        config.data, config.policy.model_path, load_reward(config.data.reward), seed=algo.seed
+    )
+    sampling = config.generation.sampling
+    spec = RuntimeSpec(config.cluster, config.policy, config.generation, RefitConfig())
+
+    def eval_fn() -> dict[str, float]:
+        runtime.refit()
+        return evaluate(runtime, source, config.data.num_eval_prompts, sampling)
+
+    with Runtime(spec) as runtime:
+        records = run_loop(
+            config,
+            "sft",
+            runtime,
+            algo.num_steps,
+            algo.eval_every,
+            lambda step: sft_step(runtime, source, step, algo.batch_size),
+            eval_fn,
+            resume,
+        )
+        if config.output_dir is not None:
+            runtime.export_hf(str(config.output_dir.resolve()))
+    return records
