@@ -98,7 +98,7 @@ def load_prompt_file(path: Path, config: DataConfig) -> list[dict[str, str]]:
             if row.get(key) is None:
                 raise ValueError(f"{path}: row {index + 1} has no {key!r}")
         try:
-            prompt = config.prompt_template.format(question=row[config.prompt_key], **row)
+            prompt = config.prompt_template.format(**{**row, "question": row[config.prompt_key]})
         except KeyError as err:
             raise ValueError(
                 f"data.prompt_template uses {err} but {path} row {index + 1} has no such column"

@@ -1,0 +1,115 @@
+"""Data loading errors, rollout batching, checkpoint atomicity and metric sinks of the driver."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.algorithms.rollouts import rollouts_to_batch, score_rollouts
+from tandem.config.models import CheckpointConfig, DataConfig, LoggingConfig
+from tandem.data.prompts import PromptSource, load_prompt_file
+from tandem.driver import Checkpoints
+from tandem.generation.base import Rollout
+from tandem.logging.metrics import MetricsLogger, read_metrics
+from tandem.logging.plots import plot_run
+
+
+def jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_malformed_jsonl_row_names_file_and_line(tmp_path: Path) -> None:
+    data = jsonl(tmp_path / "d.jsonl", ['{"question": "a", "answer": "1"}', '{"question": "b",'])
+    config = DataConfig(task="jsonl", train_path=data)
+    with pytest.raises(ValueError, match=r"d\.jsonl:2: not valid JSON"):
+        load_prompt_file(data, config)
+
+
+def test_missing_column_names_file_line_and_key(tmp_path: Path) -> None:
+    data = jsonl(tmp_path / "d.jsonl", ['{"question": "a", "answer": "1"}', '{"question": "b"}'])
+    config = DataConfig(task="jsonl", train_path=data)
+    with pytest.raises(ValueError, match=r"d\.jsonl:2: missing key\(s\) \['answer'\]"):
+        load_prompt_file(data, config)
+
+
+def test_prompt_template_is_applied(tmp_path: Path) -> None:
+    data = jsonl(tmp_path / "d.jsonl", ['{"question": "2+2?", "answer": "#### 4"}'])
+    config = DataConfig(task="jsonl", train_path=data, prompt_template="Q: {question}\nA:")
+    assert load_prompt_file(data, config) == [{"prompt": "Q: 2+2?\nA:", "answer": "#### 4"}]
+
+
+def test_train_prompts_depend_only_on_seed_and_step() -> None:
+    items = [{"prompt": str(i), "answer": str(i)} for i in range(10)]
+    a = PromptSource(items, items, None, lambda *_: 0.0, seed=3)
+    b = PromptSource(items, items, None, lambda *_: 0.0, seed=3)
+    assert a.train_prompts(4, 3) == b.train_prompts(4, 3)
+    epoch = [p["prompt"] for step in range(5) for p in a.train_prompts(step, 2)]
+    assert sorted(epoch) == sorted(str(i) for i in range(10))  # one epoch covers every item
+
+
+def rollout(index: int, prompt: list[int], response: list[int]) -> Rollout:
+    logprobs = [-0.5] * len(response)
+    return Rollout(index, prompt, response, "", logprobs, "stop")
+
+
+def test_rollouts_to_batch_masks_the_response_only() -> None:
+    batch = rollouts_to_batch([rollout(0, [5, 6], [7]), rollout(0, [5], [8, 9])], pad_token_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7], [5, 8, 9]]
+    assert batch.loss_mask.tolist() == [[0, 0, 1], [0, 1, 1]]
+    assert batch.generator_logprobs is not None
+    assert batch.generator_logprobs.tolist() == [[0, 0, -0.5], [0, -0.5, -0.5]]
+
+
+def test_failing_reward_is_reported_with_its_sample() -> None:
+    def reward(prompt: str, response: str, answer: str) -> float:
+        raise KeyError("boom")
+
+    def decode(ids: list[int]) -> str:
+        return "".join(map(str, ids))
+
+    with pytest.raises(RuntimeError, match="prompt '1\\+1=', response '2'"):
+        score_rollouts(reward, [{"prompt": "1+1=", "answer": "2"}], [rollout(0, [1], [2])], decode)
+
+
+class FakeTrainerSaver:
+    """Stands in for the trainer group's save only: writes a file, or fails midway."""
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def save_checkpoint(self, path: str) -> None:
+        Path(path).mkdir(parents=True)
+        (Path(path) / "shard").write_text("x")
+        if self.fail:
+            raise OSError("disk full")
+
+
+def test_checkpoint_is_atomic_and_pruned(tmp_path: Path) -> None:
+    ckpts = Checkpoints(tmp_path, CheckpointConfig(every=1, keep=2))
+    for step in (1, 2, 3):
+        ckpts.save(step, FakeTrainerSaver(), {"note": step})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
+    with pytest.raises(OSError):
+        ckpts.save(4, FakeTrainerSaver(fail=True), {})
+    latest = ckpts.latest()
+    assert latest is not None and latest.name == "step_3"
+    assert json.loads((latest / "driver_state.json").read_text())["note"] == 3
+
+
+def test_metrics_logger_writes_jsonl_tensorboard_and_plot(tmp_path: Path) -> None:
+    config = LoggingConfig(progress=False)
+    with MetricsLogger(config, tmp_path, total_steps=2) as logger:
+        logger.log(1, {"train/reward_mean": torch.tensor(0.25), "eval/accuracy": 0.5})
+        logger.log(2, {"train/reward_mean": 0.75})
+    records = read_metrics(tmp_path)
+    assert records == [
+        {"step": 1, "train/reward_mean": 0.25, "eval/accuracy": 0.5},
+        {"step": 2, "train/reward_mean": 0.75},
+    ]
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    png = plot_run(records, tmp_path / "reward.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
