@@ -3,6 +3,8 @@ whole batch: the LM head and log-softmax run over chunks of tokens."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,13 +14,11 @@ from torch.utils.checkpoint import checkpoint
 def _chunk_logprobs(
     hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, head_weight).float()
+    # fp32 logits even under bf16 mixed precision: only one chunk of them exists at a time
+    logits = F.linear(hidden.float(), head_weight.float())
     logp = torch.log_softmax(logits, dim=-1)
     picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    if with_entropy:
-        entropy = -(logp.exp() * logp).sum(-1)
-    else:
-        entropy = torch.zeros_like(picked)
+    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(picked)
     return picked, entropy
 
 
@@ -26,8 +26,11 @@ class LogprobModel(nn.Module):
     """Wraps a Hugging Face causal LM; ``forward`` returns token-aligned logprobs ``[B, T]``
     (entry t = log p(token t | tokens < t), entry 0 = 0) and the entropy of each prediction.
 
-    Being the FSDP root, it gathers the embeddings, final norm and LM head for its forward. With
-    gradients, every chunk is checkpointed, so backward keeps one chunk's logits alive, not all.
+    Being the FSDP root, it gathers the embeddings, final norm and LM head for its forward.
+    Without gradients each chunk's logits are freed before the next chunk. With gradients,
+    autograd would keep every chunk's logits (and their softmax) for backward, so each chunk runs
+    under ``torch.utils.checkpoint``: backward keeps only the chunk's hidden states and
+    recomputes one chunk's logits at a time (one extra LM-head matmul per chunk).
     """
 
     def __init__(self, lm: nn.Module, chunk_size: int):
@@ -38,9 +41,10 @@ class LogprobModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        body = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.model
+        lm: Any = self.lm  # a Hugging Face PreTrainedModel
+        body = lm.get_decoder()
         hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        head_weight = self.lm.get_output_embeddings().weight
+        head_weight = lm.get_output_embeddings().weight
         flat_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         flat_targets = input_ids[:, 1:].reshape(-1)
         picked, entropy = [], []

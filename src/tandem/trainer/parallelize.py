@@ -4,76 +4,122 @@ at the root, optional activation checkpointing. Model code never sees torch.dist
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from tandem.config.models import PolicyConfig
 
 
+def uses_fsdp(config: PolicyConfig, world_size: int) -> bool:
+    """Whether the model is sharded. One rank without mixed precision or CPU offload trains the
+    plain module: FSDP2 over one rank computes the same fp32 numbers (gathers and reduce-scatters
+    over one rank are copies), so 1-rank vs N-rank runs stay comparable while one-process tests
+    and tools need no process group."""
+    return world_size > 1 or config.mixed_precision or config.cpu_offload
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def init_distributed(rank: int, world_size: int, device: torch.device) -> None:
-    """Join the trainers' default process group (from the MASTER_ADDR/PORT env vars that the
-    worker group sets). A single trainer that needs no FSDP runs without one."""
+    """Join the trainers' default process group from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+    (the worker group sets them); a lone rank picks a free local port itself. NCCL on CUDA,
+    gloo on CPU. A no-op when a group already exists."""
     if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise ValueError(
+                f"the default process group has {dist.get_world_size()} ranks but the trainer "
+                f"was given world_size={world_size}; pass the group's size"
+            )
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        raise ValueError("MASTER_PORT is not set: start trainers through WorkerGroup or set it")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+        if world_size > 1:
+            raise ValueError(
+                "MASTER_PORT is not set: start trainers through WorkerGroup, or set "
+                "MASTER_ADDR/MASTER_PORT (and RANK/WORLD_SIZE) in every trainer process"
+            )
+        os.environ["MASTER_PORT"] = str(_free_port())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        backend,
+        "nccl" if device.type == "cuda" else "gloo",
         rank=rank,
         world_size=world_size,
-        device_id=(device if device.type == "cuda" else None),
+        device_id=device if device.type == "cuda" else None,
     )
-
-
-def needs_fsdp(config: PolicyConfig, world_size: int) -> bool:
-    return world_size > 1 or config.mixed_precision or config.cpu_offload
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The repeated transformer blocks of a Hugging Face causal LM (``model.model.layers``)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no model.layers; cannot apply FSDP per layer")
+        raise ValueError(
+            f"{type(model).__name__} has no model.layers ModuleList; PolicyTrainer supports "
+            "decoder-only Hugging Face causal LMs (Llama, Qwen2, Mistral...)"
+        )
     return layers
 
 
-class CheckpointedLayer(nn.Module):
-    """Recomputes the wrapped layer's activations in backward instead of storing them."""
-
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if not torch.is_grad_enabled():
-            return self.layer(*args, **kwargs)
-        return checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
-
-
 def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Wrap every decoder layer so backward recomputes its activations. torch's wrapper strips
+    its ``_checkpoint_wrapped_module.`` prefix from state dicts (plain and DCP), so parameter
+    names stay Hugging Face names and checkpoints load with or without it."""
     layers = decoder_layers(model)
     for index, layer in enumerate(layers):
-        layers[index] = CheckpointedLayer(layer)
+        layers[index] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-def apply_fsdp(root: nn.Module, model: nn.Module, config: PolicyConfig) -> None:
+def apply_fsdp(
+    root: nn.Module, model: nn.Module, config: PolicyConfig, device: torch.device
+) -> DeviceMesh:
     """``fully_shard`` each decoder layer, then ``root`` (which owns embeddings, final norm and
-    the LM head, gathered together for the root's forward)."""
-    kwargs: dict = {}
+    LM head, gathered together for the root's forward).
+
+    ``model`` may still be on the host: fully_shard moves one layer at a time to ``device`` and
+    keeps only its shard, so no rank ever holds the whole model on the device.
+
+    Gradients are summed over ranks, not averaged: losses are normalised by global token or
+    sequence counts (see ``tandem.algorithms.losses``), so the per-rank gradients are already
+    the addends of the full-batch gradient.
+    """
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs: dict = {"mesh": mesh}
     if config.mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
     if config.cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     layers = decoder_layers(model)
     for index, layer in enumerate(layers):
-        # the last layer is gathered again by the root's backward right away: keep it
+        # the root's backward needs the last layer again right away: keep it gathered
         fully_shard(layer, reshard_after_forward=index < len(layers) - 1, **kwargs)
     fully_shard(root, **kwargs)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # plain SUM collectives: gloo has no PREMUL_SUM, NCCL copies SUM zero-copy
+            module.set_force_sum_reduction_for_comms(True)
+    return mesh
+
+
+def reshard(root: nn.Module) -> None:
+    """Frees gathered parameters. A no-grad forward leaves the root (embeddings, LM head) and
+    the last layer gathered, since FSDP2 expects the backward that follows training forwards;
+    after inference they would otherwise stay resident until the next forward."""
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -1,6 +1,8 @@
 """PolicyTrainer: one trainer rank of a Hugging Face causal LM, FSDP2-sharded across ranks.
 
 A plain class (no Ray): ``cluster/`` runs it as an actor, tests and benchmarks drive it directly.
+Every rank of a data-parallel group constructs one and calls the same methods in the same order
+(``train``, ``logprobs``, ``iter_weights``, checkpoints are collectives under FSDP2).
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.checkpoint import sharded as checkpointing
-from tandem.config.models import OptimizerConfig, PolicyConfig
+from tandem.checkpoint import hf_export, sharded
+from tandem.config.models import PolicyConfig
 from tandem.data.batch import TrainBatch
 from tandem.trainer.logprobs import LogprobModel
 from tandem.trainer.offload import move_state
@@ -22,31 +24,14 @@ from tandem.trainer.parallelize import (
     apply_activation_checkpointing,
     apply_fsdp,
     init_distributed,
-    needs_fsdp,
+    reshard,
+    uses_fsdp,
 )
+from tandem.trainer.schedule import build_optimizer
+from tandem.trainer.weights import full_tensor, hf_state
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-def lr_lambda(config: OptimizerConfig, total_steps: int) -> Callable[[int], float]:
-    """Linear warm-up to 1, then constant / cosine / linear decay to ``min_lr_ratio``."""
-    total = config.total_steps or total_steps
-
-    def factor(step: int) -> float:
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        if config.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - config.warmup_steps) / max(1, total - config.warmup_steps))
-        shape = (
-            0.5 * (1 + math.cos(math.pi * progress))
-            if config.schedule == "cosine"
-            else (1 - progress)
-        )
-        return config.min_lr_ratio + (1 - config.min_lr_ratio) * shape
-
-    return factor
 
 
 def default_device(rank: int) -> torch.device:
@@ -55,11 +40,27 @@ def default_device(rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-class PolicyTrainer:
-    """Loads ``config.model_path``, shards it with FSDP2 when there are several ranks (or mixed
-    precision / CPU offload is asked for), and trains it with AdamW.
+def _load_lm(config: PolicyConfig) -> Any:
+    """The Hugging Face causal LM of ``config.model_path`` (a ``PreTrainedModel``)."""
+    from transformers import AutoModelForCausalLM
 
-    ``trainable=False`` builds a frozen copy (the reference policy): no optimizer, logprobs only.
+    path = Path(config.model_path)
+    if not (path / "config.json").exists():
+        raise ValueError(
+            f"policy.model_path={str(path)!r} is not a Hugging Face model folder (no "
+            "config.json); point it at a folder written by save_pretrained or a downloaded "
+            "snapshot"
+        )
+    # loaded on the host: fully_shard then moves one layer's shard at a time to the device
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[config.dtype])
+
+
+class PolicyTrainer:
+    """One rank of the policy: loads ``config.model_path``, shards it with FSDP2 (see
+    ``parallelize.uses_fsdp`` for when) and trains it with AdamW.
+
+    ``trainable=False`` builds a frozen copy (the reference policy): no optimizer, logprobs and
+    weights only. ``total_steps`` is the schedule length when ``optimizer.total_steps`` is None.
     """
 
     def __init__(
@@ -69,162 +70,197 @@ class PolicyTrainer:
         world_size: int = 1,
         device: torch.device | str | None = None,
         trainable: bool = True,
-        total_steps: int = 1000,
+        total_steps: int | None = None,
     ):
-        from transformers import AutoModelForCausalLM
-
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank} of {world_size}")
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device) if device is not None else default_device(rank)
-        self.distributed = needs_fsdp(config, world_size)
-        if self.distributed:
+        self.uses_fsdp = uses_fsdp(config, world_size)
+        if self.uses_fsdp:
             init_distributed(rank, world_size, self.device)
-        self.lm = AutoModelForCausalLM.from_pretrained(
-            str(config.model_path), dtype=DTYPES[config.dtype]
-        )
+        self.lm = _load_lm(config)
+        # the exported config keeps the model's own setting; training never uses a KV cache
+        self.hf_use_cache = bool(getattr(self.lm.config, "use_cache", True))
         self.lm.config.use_cache = False
+        if not trainable:
+            self.lm.requires_grad_(False)
         if config.activation_checkpointing:
             apply_activation_checkpointing(self.lm)
         self.model = LogprobModel(self.lm, config.logprob_chunk_size)
-        if self.distributed:
-            self.model.to(self.device)
-            apply_fsdp(self.model, self.lm, config)
+        if self.uses_fsdp:
+            apply_fsdp(self.model, self.lm, config, self.device)
         else:
             self.model.to(self.device)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if trainable:
-            opt = config.optimizer
-            self.optimizer = torch.optim.AdamW(
-                self.model.parameters(),
-                lr=opt.lr,
-                betas=opt.betas,
-                eps=opt.eps,
-                weight_decay=opt.weight_decay,
+            self.optimizer, self.scheduler = build_optimizer(
+                list(self.model.parameters()), config.optimizer, total_steps
             )
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, lr_lambda(opt, total_steps)
-            )
-        else:
-            self.model.requires_grad_(False)
         self.step = 0
 
-    # -- forward ----------------------------------------------------------------------------
-    def _forward(self, batch: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # -- collectives over the trainer ranks ---------------------------------------------------
+    def _all_reduce(self, values: torch.Tensor, op: Any = None) -> torch.Tensor:
+        if self.world_size > 1:
+            values = values.to(self.device)
+            dist.all_reduce(values, op=op or dist.ReduceOp.SUM)
+        return values.cpu()
+
+    def _max(self, values: torch.Tensor) -> list[int]:
+        return [int(v) for v in self._all_reduce(values, dist.ReduceOp.MAX).tolist()]
+
+    def _micro_batches(self, batch: TrainBatch) -> list[tuple[TrainBatch, bool]]:
+        """This rank's micro-batches, padded with no-loss fillers to the largest count of any
+        rank: under FSDP2 every forward/backward is a collective, so all ranks run as many."""
+        size = self.config.micro_batch_size
+        local = [
+            (batch.select(slice(s, s + size)), True) for s in range(0, batch.num_sequences, size)
+        ]
+        # one collective for both: the most micro-batches and (negated) the fewest sequences
+        most, negated_fewest = self._max(torch.tensor([len(local), -batch.num_sequences]))
+        if negated_fewest == 0:  # every rank raises, so none waits for the others in a collective
+            raise ValueError(
+                "a trainer rank got an empty batch: give every rank at least one sequence "
+                "(batch size >= number of trainers)"
+            )
+        filler = batch.select(slice(0, 1))
+        filler.loss_mask = torch.zeros_like(filler.loss_mask)
+        return local + [(filler, False)] * (most - len(local))
+
+    def _forward(self, mb: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model(
-            batch.input_ids.to(self.device),
-            batch.attention_mask.to(self.device),
+            mb.input_ids.to(self.device),
+            mb.attention_mask.to(self.device),
             with_entropy=with_entropy,
         )
 
+    # -- logprobs -------------------------------------------------------------------------------
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> Any:
-        """Token logprobs ``[B, T]`` (on CPU), micro-batch by micro-batch; with
-        ``with_entropy`` also the entropy of every prediction."""
+        """Token logprobs ``[B, T]`` float32 on the host (entry t = log p(token t | < t),
+        entry 0 and padding 0); with ``with_entropy`` the pair (logprobs, entropy)."""
         self.model.eval()
         outs, ents = [], []
-        for start in range(0, batch.num_sequences, self.config.micro_batch_size):
-            mb = batch.select(slice(start, start + self.config.micro_batch_size))
+        for mb, real in self._micro_batches(batch):
             logprobs, entropy = self._forward(mb, with_entropy)
-            outs.append(logprobs.float().cpu())
-            ents.append(entropy.float().cpu())
+            if real:
+                outs.append(logprobs.float().cpu())
+                ents.append(entropy.float().cpu())
+        if self.uses_fsdp:
+            reshard(self.model)
         if with_entropy:
             return torch.cat(outs), torch.cat(ents)
         return torch.cat(outs)
 
-    # -- training ---------------------------------------------------------------------------
-    def _all_reduce(self, values: torch.Tensor) -> torch.Tensor:
-        if self.distributed and dist.is_initialized() and self.world_size > 1:
-            values = values.to(self.device)
-            dist.all_reduce(values)
-        return values.cpu()
-
-    def train(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+    # -- training -------------------------------------------------------------------------------
+    def train(
+        self, batch: TrainBatch, loss_fn: LossFn, with_entropy: bool = False
+    ) -> dict[str, float]:
         """One optimizer step on this rank's shard ``batch``.
 
-        The loss is normalised by the token/sequence counts of the whole batch across all
-        micro-batches and ranks, so accumulating micro-batches equals the full-batch step, and
-        the FSDP gradient average over ranks is undone by scaling with the world size.
+        ``loss_fn(logprobs, micro_batch, num_global_tokens, num_global_sequences)`` normalises by
+        counts over all micro-batches and ranks (sequences = rows with a trained token), so
+        accumulating micro-batches and summing gradients over ranks gives the full-batch step.
+        With ``with_entropy`` it also gets ``entropy=`` (with grad). Returns the loss and
+        ``loss_fn``'s metrics summed over micro-batches and ranks, grad_norm (before clipping),
+        the lr of this step, num_tokens and num_sequences; a non-finite gradient norm skips the
+        update (``skipped_step`` = 1).
+
+        Under FSDP2 every micro-batch's backward reduce-scatters its gradients (summed, see
+        ``apply_fsdp``). Deferring the sync to the last micro-batch would save communication but
+        keep unsharded gradients of the whole model on every rank: the memory FSDP saves.
         """
-        assert self.optimizer is not None and self.scheduler is not None, "frozen trainer"
+        if self.optimizer is None or self.scheduler is None:
+            raise ValueError("this PolicyTrainer was built with trainable=False")
         self.model.train()
-        counts = torch.tensor(
-            [batch.loss_mask.sum().item(), (batch.loss_mask.sum(-1) > 0).sum().item()],
-            dtype=torch.float64,
-        )
-        num_tokens, num_sequences = self._all_reduce(counts).tolist()
+        mask = batch.loss_mask
+        counts = torch.tensor([mask.sum().item(), (mask.sum(-1) > 0).sum().item()])
+        num_tokens, num_sequences = self._all_reduce(counts.double()).tolist()
         sums: dict[str, torch.Tensor] = {}
-        for start in range(0, batch.num_sequences, self.config.micro_batch_size):
-            mb = batch.select(slice(start, start + self.config.micro_batch_size)).to(self.device)
-            logprobs, entropy = self._forward(mb, with_entropy=False)
-            loss, metrics = loss_fn(logprobs, mb, num_tokens, num_sequences)
-            (loss * self.world_size).backward()
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + float(value)
+        for mb, _ in self._micro_batches(batch):
+            mb = mb.to(self.device)
+            logprobs, entropy = self._forward(mb, with_entropy)
+            extra = {"entropy": entropy} if with_entropy else {}
+            loss, metrics = loss_fn(logprobs, mb, num_tokens, num_sequences, **extra)
+            loss.backward()
+            for key, value in {**metrics, "loss": loss}.items():
+                sums[key] = sums.get(key, 0.0) + torch.as_tensor(value).detach().double().cpu()
+        lr = float(self.scheduler.get_last_lr()[0])
         grad_norm = self._clip_gradients()
-        self.optimizer.step()
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         keys = sorted(sums)
-        reduced = self._all_reduce(torch.stack([sums[k] for k in keys])) if keys else []
-        out = {k: float(v) for k, v in zip(keys, reduced, strict=True)}
+        reduced = self._all_reduce(torch.stack([sums[k] for k in keys]))
+        out = {k: float(v) for k, v in zip(keys, reduced.tolist(), strict=True)}
         out.update(
             grad_norm=grad_norm,
-            lr=float(self.scheduler.get_last_lr()[0]),
+            lr=lr,
             num_tokens=num_tokens,
             num_sequences=num_sequences,
+            skipped_step=float(not math.isfinite(grad_norm)),
         )
         return out
 
     def _clip_gradients(self) -> float:
+        """Global gradient norm (over all shards), clipped to ``max_grad_norm`` when set."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.config.optimizer.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"))
+        return float(full_tensor(norm, self.device))
 
-    # -- weights ----------------------------------------------------------------------------
-    def _named_state(self) -> Iterator[tuple[str, torch.Tensor]]:
-        tied = bool(getattr(self.lm.config, "tie_word_embeddings", False))
-        for name, tensor in self.lm.state_dict().items():
-            if tied and name == "lm_head.weight":
-                continue  # loaders re-tie it to the embedding
-            yield name.replace(".layer.", ".") if ".layer." in name else name, tensor
-
-    def weight_metadata(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """Names, full shapes and dtypes of ``iter_weights`` (no gathering)."""
-        return [(name, tuple(t.shape), t.dtype) for name, t in self._named_state()]
+    # -- weights --------------------------------------------------------------------------------
+    def weight_metadata(
+        self, dtype: torch.dtype | None = None
+    ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(name, full shape, dtype) of every tensor ``iter_weights(dtype)`` yields; no
+        communication, the same on every rank."""
+        return [(name, tuple(t.shape), dtype or t.dtype) for name, t in hf_state(self.lm)]
 
     def iter_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights in Hugging Face names, one tensor at a time. A collective under FSDP:
-        every rank iterates to the end; only rank 0 yields."""
-        for name, tensor in self._named_state():
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        """Full weights in Hugging Face names, one tensor at a time, on this rank's device.
+        Under FSDP2 each gather is a collective: every rank iterates to the end, only rank 0
+        yields. Tied LM heads are left out (loaders re-tie them to the embedding). Without FSDP
+        the tensors are the live parameters (no copy): copy them to keep them past a step."""
+        for name, tensor in hf_state(self.lm):
+            full = full_tensor(tensor, self.device)
             if self.rank == 0:
-                full = full.detach()
-                yield name, full.to(dtype) if dtype is not None else full
+                yield name, full if dtype is None else full.to(dtype)
             del full
 
-    # -- checkpoints ------------------------------------------------------------------------
-    def save_checkpoint(self, path: Path) -> None:
-        checkpointing.save(self, Path(path))
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, path: Path | str, extra: dict[str, Any] | None = None) -> None:
+        """Sharded model + optimizer + scheduler state (and ``extra``, a JSON-able dict of the
+        caller's state) into ``path``, atomically. A collective under FSDP2."""
+        sharded.save(self, Path(path), extra or {})
 
-    def load_checkpoint(self, path: Path) -> None:
-        checkpointing.load(self, Path(path))
+    def load_checkpoint(self, path: Path | str) -> dict[str, Any]:
+        """Restores what ``save_checkpoint`` wrote; returns its ``extra``."""
+        return sharded.load(self, Path(path))
 
-    def export_hf(self, path: Path) -> None:
-        checkpointing.export_hf(self, Path(path))
+    def export_hf(self, path: Path | str, dtype: torch.dtype | None = None) -> None:
+        """A Hugging Face folder (config, safetensors, tokenizer) of the current weights."""
+        hf_export.export_hf(self, Path(path), dtype)
 
-    # -- memory phases ----------------------------------------------------------------------
+    # -- memory phases --------------------------------------------------------------------------
     def offload(self) -> None:
-        """Parameters, gradients, buffers and optimizer state to (pinned) host memory."""
-        move_state(self.model, self.optimizer, torch.device("cpu"))
+        """Parameters, gradients, buffers and optimizer state to (pinned) host memory; the same
+        tensor objects stay referenced everywhere. With ``cpu_offload`` only buffers move (the
+        sharded parameters and the optimizer state live on the host already)."""
+        host = torch.device("cpu")
+        move_state(self.model, self.optimizer, host, include_parameters=not self.config.cpu_offload)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def onload(self) -> None:
-        if self.config.cpu_offload:  # FSDP2 keeps parameters and optimizer state on the host
-            return
-        move_state(self.model, self.optimizer, self.device)
+        """Back to the device, the inverse of ``offload``."""
+        move_state(
+            self.model,
+            self.optimizer,
+            self.device,
+            include_parameters=not self.config.cpu_offload,
+        )

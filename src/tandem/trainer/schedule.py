@@ -1,0 +1,50 @@
+"""Learning-rate schedules of the policy optimizer, as ``LambdaLR`` factors."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from tandem.config.models import OptimizerConfig
+
+
+def lr_factor(config: OptimizerConfig, total_steps: int | None) -> Callable[[int], float]:
+    """Linear warm-up from lr/warmup_steps to lr, then constant, cosine or linear decay to
+    ``min_lr_ratio * lr`` at ``total_steps`` (``config.total_steps`` wins when set)."""
+    total = config.total_steps or total_steps
+    if config.schedule != "constant" and total is None:
+        raise ValueError(
+            f"optimizer.schedule={config.schedule!r} needs a length: set optimizer.total_steps "
+            "or pass total_steps to PolicyTrainer"
+        )
+    warmup = config.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if config.schedule == "constant":
+            return 1.0
+        assert total is not None
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if config.schedule == "cosine":
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            shape = 1.0 - progress
+        return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape
+
+    return factor
+
+
+def build_optimizer(
+    parameters: list[torch.nn.Parameter], config: OptimizerConfig, total_steps: int | None
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    optimizer = torch.optim.AdamW(
+        parameters,
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config, total_steps))

@@ -1,0 +1,133 @@
+"""FSDP2 over 2 gloo ranks against one plain rank on the same global batch.
+
+Tolerances: fp32 throughout; 2 ranks sum the same per-token terms in another order, so losses
+agree to rel 1e-5 and weights after AdamW steps to 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_trainer_support import make_batch, policy, spawn, token_nll, write_tiny_qwen2
+from torch.distributed.tensor import DTensor
+
+from tandem.trainer import PolicyTrainer
+from tandem.trainer.offload import move_state
+
+# 7 rows: rank 0 gets 5 (3 micro-batches of 2), rank 1 gets 2 (1, padded with 2 fillers)
+SHARDS = (slice(0, 5), slice(5, 7))
+
+
+def _identity_after_move(trainer: PolicyTrainer) -> dict[str, Any]:
+    """Moves every sharded tensor through the offload swap path to the meta device (on a GPU
+    the target is the host; data cannot come back from meta, so this runs last) and reports
+    whether the objects survived and their data really moved."""
+    weight = trainer.lm.model.layers[0].self_attn.q_proj.weight
+    assert trainer.optimizer is not None
+    exp_avg = trainer.optimizer.state[weight]["exp_avg"]
+    exp_avg_local = exp_avg._local_tensor
+    inv_freq = trainer.lm.model.rotary_emb.inv_freq
+    move_state(trainer.model, trainer.optimizer, torch.device("meta"))
+    rotary = trainer.lm.model.rotary_emb
+    return {
+        "same_objects": trainer.lm.model.layers[0].self_attn.q_proj.weight is weight
+        and trainer.optimizer.state[weight]["exp_avg"] is exp_avg
+        and exp_avg._local_tensor is exp_avg_local
+        and trainer.optimizer.param_groups[0]["params"][0] is next(trainer.model.parameters())
+        and rotary.inv_freq is inv_freq,
+        # the parameter DTensor swaps its whole contents, local shard included
+        "moved": {t.device.type for t in (weight._local_tensor, exp_avg_local, inv_freq)}
+        == {"meta"},
+    }
+
+
+def _rank(rank: int, world_size: int, model_dir: str, out: str) -> None:
+    trainer = PolicyTrainer(policy(Path(model_dir), micro_batch_size=2), rank, world_size)
+    shard = make_batch(size=7).select(SHARDS[rank])
+    result: dict[str, Any] = {"logprobs": trainer.logprobs(shard)}
+    # inference resharded the root: no full embedding / LM head stays resident
+    result["sharded_after_logprobs"] = isinstance(trainer.lm.model.embed_tokens.weight, DTensor)
+    result["first"] = trainer.train(shard, token_nll)
+    result["second"] = trainer.train(shard, token_nll)
+    result["weights"] = dict(trainer.iter_weights())
+    trainer.save_checkpoint(Path(out) / "ckpt", extra={"data_position": 14})
+    try:  # rank 1 gets no rows: every rank must raise rather than hang in a collective
+        trainer.train(shard.select(slice(0, 1 - rank)), token_nll)
+    except ValueError as error:
+        result["empty_shard_error"] = str(error)
+    result["swap"] = _identity_after_move(trainer)
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen2(tmp_path_factory.mktemp("tiny"), tied=True)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp")
+    spawn(_rank, 2, str(model_dir), str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank(model_dir: Path) -> dict[str, Any]:
+    trainer = PolicyTrainer(policy(model_dir, micro_batch_size=2))
+    batch = make_batch(size=7)
+    result: dict[str, Any] = {"logprobs": trainer.logprobs(batch)}
+    result["first"] = trainer.train(batch, token_nll)
+    result["second"] = trainer.train(batch, token_nll)
+    # unsharded, iter_weights yields the live parameters: copy before training on
+    result["weights"] = {name: t.clone() for name, t in trainer.iter_weights()}
+    result["third"] = trainer.train(make_batch(seed=1, size=7), token_nll)["loss"]
+    return result
+
+
+def test_two_ranks_train_like_one(two_ranks: Path, one_rank: dict[str, Any]) -> None:
+    rank0, rank1 = (torch.load(two_ranks / f"rank{r}.pt") for r in range(2))
+    for step in ("first", "second"):
+        for key in ("loss", "grad_norm", "num_tokens", "num_sequences", "lr", "tokens_seen"):
+            assert rank0[step][key] == pytest.approx(one_rank[step][key], rel=1e-5), key
+            assert rank1[step][key] == rank0[step][key], key  # every rank reports global sums
+    assert rank1["weights"] == {}  # only rank 0 yields
+    assert rank0["weights"].keys() == one_rank["weights"].keys()
+    assert "lm_head.weight" not in rank0["weights"]  # tied: loaders re-tie it
+    for name, tensor in one_rank["weights"].items():
+        assert torch.allclose(rank0["weights"][name], tensor, atol=1e-5, rtol=0), name
+
+
+def test_an_empty_shard_fails_on_every_rank(two_ranks: Path) -> None:
+    for rank in range(2):
+        error = torch.load(two_ranks / f"rank{rank}.pt")["empty_shard_error"]
+        assert "at least one sequence" in error
+
+
+def test_logprobs_of_uneven_shards(two_ranks: Path, one_rank: dict[str, Any]) -> None:
+    shards = [torch.load(two_ranks / f"rank{r}.pt")["logprobs"] for r in range(2)]
+    assert [len(s) for s in shards] == [5, 2]
+    assert torch.load(two_ranks / "rank0.pt")["sharded_after_logprobs"]
+    assert torch.allclose(torch.cat(shards), one_rank["logprobs"], atol=1e-6, rtol=0)
+
+
+def test_offload_swap_keeps_fsdp_tensor_identity(two_ranks: Path) -> None:
+    for rank in range(2):
+        swap = torch.load(two_ranks / f"rank{rank}.pt")["swap"]
+        assert swap == {"same_objects": True, "moved": True}
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(
+    two_ranks: Path, one_rank: dict[str, Any], model_dir: Path
+) -> None:
+    assert not (two_ranks / "ckpt.tmp").exists()
+    resumed = PolicyTrainer(policy(model_dir, micro_batch_size=2))
+    assert resumed.load_checkpoint(two_ranks / "ckpt") == {"data_position": 14}
+    assert resumed.step == 2
+    saved = torch.load(two_ranks / "rank0.pt")["weights"]
+    for name, tensor in resumed.iter_weights():
+        assert torch.equal(tensor, saved[name]), name
+    third = resumed.train(make_batch(seed=1, size=7), token_nll)["loss"]
+    assert third == pytest.approx(one_rank["third"], rel=1e-5)
