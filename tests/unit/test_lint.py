@@ -27,3 +27,10 @@ def test_ruff_format() -> None:
         [*_ruff(), "format", "--check", "."], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_type_checks_the_package() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -9,6 +9,7 @@ padding are 0 and masked out by ``loss_mask``.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
@@ -43,14 +44,14 @@ class TrainBatch:
 
     def select(self, index: slice | torch.Tensor) -> TrainBatch:
         """Rows ``index`` of every tensor (micro-batches, data-parallel shards)."""
-        values = {
+        values: dict[str, Any] = {
             f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index])
             for f in fields(self)
         }
         return TrainBatch(**values)
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        values = {
+        values: dict[str, Any] = {
             f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
             for f in fields(self)
         }
