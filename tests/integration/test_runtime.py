@@ -1,0 +1,62 @@
+"""The Runtime's fan-out and failure handling on a real Ray cluster. The transformers backend
+keeps the engines cheap: what is tested is the runtime, not vLLM (test_refit_e2e.py runs vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from ray.util.placement_group import placement_group_table
+
+from tandem.assets import DEFAULT_MODEL_DIR
+from tandem.cluster.runtime import Runtime, RuntimeSpec
+from tandem.cluster.worker_group import WorkerError
+from tandem.config.models import ClusterConfig, GenerationConfig, PolicyConfig, RefitConfig
+from tandem.generation import SamplingParams, make_generator
+from tandem.generation.hf_generator import HfGenerator
+
+pytestmark = pytest.mark.ray
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+PROMPTS = ["17+25=", "3-1=", "99+99=", "40+2=", "8*8="]
+
+
+def _spec(num_generators: int) -> RuntimeSpec:
+    cluster = ClusterConfig(
+        placement="split",
+        num_trainers=1,
+        num_generators=num_generators,
+        cpus_per_actor=1.0,
+        env_mode="shared",
+    )
+    return RuntimeSpec(cluster, PolicyConfig(), GenerationConfig(backend="hf"), RefitConfig())
+
+
+def test_generate_fans_out_and_a_killed_generator_is_named(
+    ray_cluster: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    local = make_generator(GenerationConfig(backend="hf"), DEFAULT_MODEL_DIR)
+    assert isinstance(local, HfGenerator)
+    prompts = [local.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    expected = local.generate(prompts, GREEDY)
+
+    runtime = Runtime(_spec(num_generators=2))
+    group_id = runtime._placement.placement_group.id.hex()
+    trainer_actors = list(runtime.trainers.actors)
+    try:
+        # 5 prompts over 2 engines (3 + 2): rollouts come back in prompt order, indices global
+        rollouts = runtime.generate(prompts, GREEDY)
+        assert [r.prompt_index for r in rollouts] == list(range(len(PROMPTS)))
+        assert [r.response_token_ids for r in rollouts] == [r.response_token_ids for r in expected]
+
+        ray.kill(runtime.generators.actors[1])  # type: ignore[union-attr]
+        with pytest.raises(WorkerError) as err:
+            runtime.generate(prompts, GREEDY)
+        assert (err.value.kind, err.value.rank, err.value.method) == ("generator", 1, "generate")
+        assert str(err.value).startswith("generator worker rank 1 failed in generate(): actor died")
+    finally:
+        runtime.close()  # must not stop at the dead generator
+    assert "generator worker rank 1 failed in shutdown()" in caplog.text
+    assert placement_group_table()[group_id]["state"] == "REMOVED"
+    for actor in trainer_actors:  # the trainers were killed too, not left holding CPUs
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.address.remote(), timeout=30)
