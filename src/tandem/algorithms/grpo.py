@@ -6,6 +6,7 @@ on placement or transport; everything here is tensors and typed batches.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from tandem.config.models import GrpoConfig, SamplingConfig
 from tandem.data.batch import TrainBatch
 from tandem.data.prompts import PromptSource
 from tandem.generation.base import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,6 +80,14 @@ def grpo_step(
         batch.reference_logprobs = runtime.reference_logprobs(batch)
     timings["timing/logprobs_s"] = time.perf_counter() - t0
     mismatch = logprob_mismatch(batch)
+    if mismatch > config.refit.logprob_mismatch_alarm:
+        log.warning(
+            "step %d: generator/trainer logprob mismatch %.3g exceeds refit.logprob_mismatch_alarm"
+            " %.3g (stale weights or KV cache in the generator?)",
+            step,
+            mismatch,
+            config.refit.logprob_mismatch_alarm,
+        )
 
     t0 = time.perf_counter()
     train_metrics = runtime.train(batch, policy_loss(config))
