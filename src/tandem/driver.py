@@ -142,7 +142,12 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
         config.data, config.policy.model_path, load_reward(config.data.reward), seed=algo.seed
     )
     spec = RuntimeSpec(
-        config.cluster, config.policy, config.generation, config.refit, algo.kl_coef > 0
+        config.cluster,
+        config.policy,
+        config.generation,
+        config.refit,
+        with_reference=algo.kl_coef > 0,
+        total_steps=algo.num_steps,
     )
     with Runtime(spec) as runtime:
         return run_loop(
@@ -181,7 +186,9 @@ def run_sft(config: SftConfig, resume: bool = False) -> list[dict[str, Any]]:
         config.data, config.policy.model_path, load_reward(config.data.reward), seed=algo.seed
     )
     sampling = config.generation.sampling
-    spec = RuntimeSpec(config.cluster, config.policy, config.generation, RefitConfig())
+    spec = RuntimeSpec(
+        config.cluster, config.policy, config.generation, RefitConfig(), total_steps=algo.num_steps
+    )
 
     def eval_fn() -> dict[str, float]:
         runtime.refit()

@@ -34,12 +34,15 @@ class TrainerWorker:
         world_size: int = 1,
         with_reference: bool = False,
         num_receivers: int = 1,
+        total_steps: int | None = None,
     ):
         from tandem.trainer import PolicyTrainer
 
         self.rank = rank
         self.generation = generation
-        self.policy = PolicyTrainer(policy, rank=rank, world_size=world_size)
+        self.policy = PolicyTrainer(
+            policy, rank=rank, world_size=world_size, total_steps=total_steps
+        )
         self.reference = (
             PolicyTrainer(policy, rank=rank, world_size=world_size, trainable=False)
             if with_reference

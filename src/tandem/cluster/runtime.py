@@ -25,6 +25,8 @@ class RuntimeSpec:
     refit: RefitConfig
     with_reference: bool = False
     with_generators: bool = True
+    total_steps: int | None = None
+    """Optimizer steps of the run (the learning-rate schedule's horizon)."""
 
 
 class Runtime:
@@ -53,6 +55,7 @@ class Runtime:
                 generation=spec.generation,
                 with_reference=spec.with_reference,
                 num_receivers=cluster.num_generators * spec.generation.tensor_parallel_size,
+                total_steps=spec.total_steps,
             ),
             bundles=placement.trainer_bundles,
             env_mode=cluster.env_mode,
