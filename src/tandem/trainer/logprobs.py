@@ -14,8 +14,9 @@ from torch.utils.checkpoint import checkpoint
 def _chunk_logprobs(
     hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # fp32 logits even under bf16 mixed precision: only one chunk of them exists at a time
-    logits = F.linear(hidden.float(), head_weight.float())
+    # the head runs in the model dtype (tensor cores for bf16, as vLLM does); softmax in fp32,
+    # and only one chunk of fp32 logits exists at a time
+    logits = F.linear(hidden, head_weight).float()
     logp = torch.log_softmax(logits, dim=-1)
     picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(picked)

@@ -14,6 +14,7 @@ allocator keeps the pinned blocks, so the second and later offloads do not pin a
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 import torch
@@ -130,4 +131,7 @@ def move_state(
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         if device.type == "cpu":
+            # the swapped-out FSDP2 DTensors (holding the old device shards) sit in reference
+            # cycles: only the cyclic collector frees them
+            gc.collect()
             release_device_caches()

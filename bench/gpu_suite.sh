@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Everything tandem measures on a GPU, in one go (one device call): the GPU tests, then the
+# benchmarks. Figures go to $OUT/figures.jsonl (one JSON line each), logs beside them.
+#   bash bench/gpu_suite.sh            (OUT defaults to ./gpu-out)
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+if ! python3 -c "import pydantic" 2>/dev/null; then  # the GPU image has no pydantic
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 BENCH_JSONL=$OUT/figures.jsonl
+export TANDEM_BENCH_DIR=${TANDEM_BENCH_DIR:-/tmp/tandem-bench}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" \
+  | tee -a "$OUT/gpu.txt"
+stage() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name rc=$? $((SECONDS - start))s"
+}
+stage pytest 200 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rfE --timeout 100
+tail -n 25 "$OUT/pytest.log"
+stage train 140 python3 bench/train_throughput.py --profile "$OUT/profile.txt"
+stage offload 100 python3 bench/offload.py
+stage refit 130 python3 bench/refit_gpu.py
+for f in train offload refit; do grep -E "Error|error:" "$OUT/$f.log" | tail -n 3; done
+python3 - "$OUT/figures.jsonl" <<'PY'
+import json, sys
+try:
+    rows = [json.loads(line) for line in open(sys.argv[1])]
+except FileNotFoundError:
+    rows = []
+for r in rows:
+    keys = {k: v for k, v in r.items() if k not in ("figure", "value", "ratio", "mfu")}
+    print(f"{r['figure']:<32} {r.get('value', '')!s:>10} {r.get('ratio', r.get('mfu', ''))!s:>6} {keys}")
+PY

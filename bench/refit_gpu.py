@@ -1,0 +1,136 @@
+"""Colocated refit (CUDA IPC, one GPU, two processes) vs device copy bandwidth.
+
+The sender streams random bf16 GPU tensors shaped like a Qwen2 1.5B / 8B model (names and
+shapes from a ``Qwen2Config`` on the meta device; nothing touches disk). A receiver in a
+spawned process copies every tensor into parameters it preallocated on the same GPU, as a
+generator's ``load_weights`` does, and returns a checksum. The ceiling is ``dst.copy_(src)`` of
+the same tensors in one process (payload bytes / s); a colocated refit copies every byte twice
+(pack into the bucket, then the receiver's copy), so its ideal is about half of it.
+
+    PYTHONPATH=src python bench/refit_gpu.py [--models 1.5b 8b] [--buckets-mib 64 512 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from ceilings import QWEN_1P5B, QWEN_8B, emit, measure_ceilings, qwen2_config
+
+from tandem.weight_sync import TensorMeta, make_receiver, make_sender
+
+SHAPES = {"1.5b": QWEN_1P5B, "8b": QWEN_8B}
+
+
+def metadata(shape: dict[str, Any]) -> list[TensorMeta]:
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.Qwen2ForCausalLM(qwen2_config(shape))
+    tied = shape["tie_word_embeddings"]
+    return [
+        TensorMeta(name, tuple(t.shape), torch.bfloat16)
+        for name, t in model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    ]
+
+
+def checksum(tensors: Any) -> float:
+    return float(sum(t.float().sum(dtype=torch.float64) for t in tensors))
+
+
+def _receiver(specs: Any, results: Any) -> None:
+    torch.cuda.set_device(0)
+    results.put("ready")
+    params: dict[str, torch.Tensor] = {}
+    while (message := specs.get()) is not None:
+        metas, spec = message
+        if set(params) != {m.name for m in metas}:
+            params = {}
+            torch.cuda.empty_cache()
+            params = {m.name: torch.zeros(m.shape, dtype=m.dtype, device="cuda") for m in metas}
+        for name, tensor in make_receiver(spec, "cuda:0").iter_weights():
+            params[name].copy_(tensor)
+        torch.cuda.synchronize()
+        results.put(checksum(params[m.name] for m in metas))
+
+
+def copy_ceiling(state: dict[str, torch.Tensor]) -> float:
+    """Payload GB/s of copying every tensor into a preallocated twin (best of 3)."""
+    dsts = {n: torch.empty_like(t) for n, t in state.items()}
+    num_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for name, tensor in state.items():
+            dsts[name].copy_(tensor)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best / 1e9
+
+
+def bench_model(label: str, buckets_mib: list[int], specs: Any, results: Any) -> None:
+    metas = metadata(SHAPES[label])
+    state = {m.name: torch.randn(m.shape, device="cuda", dtype=m.dtype) for m in metas}
+    expected = checksum(state.values())
+    ceiling = copy_ceiling(state)
+    num_bytes = sum(m.num_bytes for m in metas)
+    emit({"figure": "device_copy_payload_gb_s", "model": label, "value": round(ceiling, 1)})
+    for mib in buckets_mib:
+        config = SimpleNamespace(transport="colocated", bucket_bytes=mib * 2**20)
+        sender = make_sender(config, "cuda:0", timeout_s=300)  # type: ignore[arg-type]
+        runs = []
+        for _ in range(3):  # the first also opens the IPC handles and warms the allocator
+            spec = sender.prepare(metas)
+            specs.put((metas, spec))
+            runs.append(sender.send(iter(state.items())))
+            got = results.get(timeout=300)
+            assert got == expected, f"receiver checksum {got} != {expected}"
+        sender.close()
+        best = max(run.gb_per_s for run in runs[1:])
+        emit(
+            {
+                "figure": "refit_gb_s",
+                "model": label,
+                "gb": round(num_bytes / 1e9, 2),
+                "bucket_mib": mib,
+                "num_buckets": runs[-1].num_buckets,
+                "value": round(best, 1),
+                "first_refit_gb_s": round(runs[0].gb_per_s, 1),
+                "ceiling_device_copy_gb_s": round(ceiling, 1),
+                "ratio": round(best / ceiling, 3),
+            }
+        )
+    del state
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["1.5b", "8b"], choices=sorted(SHAPES))
+    parser.add_argument("--buckets-mib", type=int, nargs="+", default=[64, 512, 2048])
+    args = parser.parse_args()
+    ceilings = measure_ceilings()
+    emit({"figure": "d2d_copy_gb_s_read_plus_write", "value": round(ceilings["d2d_copy_gb_s"])})
+    ctx = mp.get_context("spawn")
+    specs, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_receiver, args=(specs, results))
+    proc.start()
+    try:
+        assert results.get(timeout=120) == "ready"
+        for label in args.models:
+            bench_model(label, args.buckets_mib, specs, results)
+    finally:
+        specs.put(None)
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+
+
+if __name__ == "__main__":
+    main()

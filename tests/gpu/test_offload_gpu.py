@@ -1,0 +1,189 @@
+"""Offload/onload of a PolicyTrainer on a GPU: nothing left on the device, every tensor object
+kept, and training after onload continues exactly like a trainer that was never offloaded.
+
+Parameterised over plain (one rank, no FSDP), FSDP2 on one rank (``mixed_precision`` forces
+it) and FSDP2 with CPUOffloadPolicy, each with fp32 and bf16 parameters.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from tandem.algorithms.losses import nll_loss
+from tandem.config.models import OptimizerConfig, PolicyConfig
+from tandem.data.batch import TrainBatch
+from tandem.trainer import PolicyTrainer
+from tandem.trainer.offload import release_device_caches
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+VOCAB = 300
+SETUPS = {
+    "plain": {},
+    "fsdp": {"mixed_precision": True},
+    "fsdp_cpu_offload": {"cpu_offload": True},
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("qwen2")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+    )
+    transformers.Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group() -> Any:
+    """FSDP2 at world size 1 joins a one-rank NCCL group; it outlives the module's tests."""
+    if not torch.distributed.is_initialized():  # a fresh port: the last group's may linger
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def make_batch(seed: int, size: int = 4, width: int = 24) -> TrainBatch:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (size, width), generator=gen)
+    lengths = torch.randint(width // 2, width + 1, (size,), generator=gen)
+    attention = (torch.arange(width)[None] < lengths[:, None]).long()
+    loss_mask = attention.float()
+    loss_mask[:, :4] = 0
+    return TrainBatch(ids * attention, attention, loss_mask)
+
+
+def make_trainer(model_dir: Path, setup: str, dtype: str) -> PolicyTrainer:
+    optimizer = OptimizerConfig(lr=1e-3, eps=1e-6, max_grad_norm=1.0)
+    config = PolicyConfig(model_path=model_dir, dtype=dtype, optimizer=optimizer, **SETUPS[setup])
+    return PolicyTrainer(config, device="cuda:0")
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def state_tensors(trainer: PolicyTrainer) -> list[torch.Tensor]:
+    assert trainer.optimizer is not None
+    return [
+        value
+        for state in trainer.optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
+
+
+def live_blocks() -> list[Any]:
+    """What still holds device memory (for failure messages): CUDA tensors reachable from
+    Python with the types of their referrers, then the allocator's block sizes."""
+    found: list[Any] = []
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta and obj.device.type == "cuda":
+            referrers = {type(r).__name__ for r in gc.get_referrers(obj)}
+            found.append((tuple(obj.shape), str(obj.dtype), type(obj).__name__, sorted(referrers)))
+            if len(found) > 6:
+                break
+    sizes = [
+        block["size"]
+        for segment in torch.cuda.memory_snapshot()
+        for block in segment["blocks"]
+        if block["state"] == "active_allocated"
+    ]
+    return [found, sizes[:12], len(sizes)]
+
+
+def free_device() -> None:
+    gc.collect()  # FSDP2 states hold reference cycles
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_offload_frees_the_device_and_keeps_identity(
+    model_dir: Path, setup: str, dtype: str
+) -> None:
+    free_device()
+    release_device_caches()
+    assert torch.cuda.memory_allocated() == 0, f"an earlier test leaked {live_blocks()}"
+    first, second = make_batch(1), make_batch(2)
+    trainer = make_trainer(model_dir, setup, dtype)
+    loss_1 = trainer.train(first, nll_loss)["loss"]
+    # the sharded parameters (a gathered FSDP2 module registers its unsharded ones instead)
+    params = list(trainer.model.parameters())
+    assert trainer.optimizer is not None
+    optimized = trainer.optimizer.param_groups[0]["params"]
+    assert all(a is b for a, b in zip(params, optimized, strict=True))
+    trainer.logprobs(first)  # a no-grad forward leaves FSDP2's root and last layer gathered
+    torch.cuda.synchronize()
+    resident = torch.cuda.memory_allocated()
+    states = state_tensors(trainer)
+    state_locals = [local(s) for s in states]
+    rotary = trainer.lm.model.rotary_emb
+    inv_freq = rotary.inv_freq
+    weights = {name: t.detach().cpu().clone() for name, t in trainer.iter_weights()}
+
+    trainer.offload()
+    assert torch.cuda.memory_allocated() == 0, live_blocks()
+    assert torch.cuda.memory_reserved() == 0
+    # (a DTensor parameter gets a new local tensor; the DTensor object itself is kept)
+    locals_ = [local(p) for p in params]
+    assert all(t.device.type == "cpu" for t in locals_ + state_locals + [inv_freq])
+    if setup != "fsdp_cpu_offload":  # moved by offload: pinned, so onload runs at bus speed
+        assert all(t.is_pinned() for t in locals_ + [s for s in state_locals if s.dim() > 0])
+    del locals_
+
+    trainer.onload()
+    torch.cuda.synchronize()
+    assert all(a is b for a, b in zip(params, trainer.model.parameters(), strict=True))
+    optimized = trainer.optimizer.param_groups[0]["params"]
+    assert all(a is b for a, b in zip(params, optimized, strict=True))
+    assert all(a is b for a, b in zip(states, state_tensors(trainer), strict=True))
+    assert all(a is local(b) for a, b in zip(state_locals, states, strict=True))
+    assert rotary.inv_freq is inv_freq and inv_freq.device.type == "cuda"
+    if setup != "fsdp_cpu_offload":
+        assert all(local(p).device.type == "cuda" for p in params)
+        # the gathered copies were resharded, not leaked: less than before, never more
+        assert torch.cuda.memory_allocated() <= resident
+    for name, tensor in trainer.iter_weights():
+        assert torch.equal(tensor.cpu(), weights[name]), name
+    loss_2 = trainer.train(second, nll_loss)["loss"]
+    after = {name: t.detach().cpu().clone() for name, t in trainer.iter_weights()}
+    del trainer, params, optimized, states, state_locals, rotary, inv_freq
+    free_device()
+
+    straight = make_trainer(model_dir, setup, dtype)
+    expected_1 = straight.train(first, nll_loss)["loss"]
+    expected_2 = straight.train(second, nll_loss)["loss"]
+    tolerance = 1e-5 if dtype == "float32" else 1e-3
+    assert loss_1 == pytest.approx(expected_1, rel=tolerance)
+    assert loss_2 == pytest.approx(expected_2, rel=tolerance)
+    assert loss_2 != pytest.approx(loss_1, rel=1e-4)  # the step did change the weights
+    for name, tensor in straight.iter_weights():
+        torch.testing.assert_close(after[name], tensor.cpu(), msg=name)
+    del straight
+    free_device()
