@@ -160,12 +160,22 @@ class RefitSender:
 
     transport: Transport
 
-    def __init__(self, bucket_bytes: int, device: torch.device, num_receivers: int) -> None:
+    def __init__(
+        self,
+        bucket_bytes: int,
+        device: torch.device,
+        num_receivers: int,
+        timeout_s: float,
+        host: str = "127.0.0.1",
+    ) -> None:
         if num_receivers < 1:
             raise ValueError(f"num_receivers={num_receivers}; a refit needs >= 1 receiver")
         self.bucket_bytes = bucket_bytes
         self.device = device
         self.num_receivers = num_receivers
+        self.timeout_s = timeout_s
+        self._host = host
+        self._store = serve_store(host, timeout_s)
         self._refit_id = 0
         self._plan: BucketPlan | None = None
         self._spec: RefitSpec | None = None

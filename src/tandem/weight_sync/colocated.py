@@ -29,7 +29,6 @@ from tandem.weight_sync.base import (
     RefitSpec,
     abort_signal,
     connect_store,
-    serve_store,
     set_signals,
     wait_signals,
 )
@@ -68,10 +67,7 @@ class ColocatedSender(RefitSender):
         timeout_s: float,
         host: str = "127.0.0.1",
     ) -> None:
-        super().__init__(bucket_bytes, device, num_receivers)
-        self.timeout_s = timeout_s
-        self._store = serve_store(host, timeout_s)
-        self._host = host
+        super().__init__(bucket_bytes, device, num_receivers, timeout_s, host)
         self._buffers: list[torch.Tensor] = []
         self._paths: list[str] = []
 

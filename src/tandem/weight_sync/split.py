@@ -26,7 +26,6 @@ from tandem.weight_sync.base import (
     RefitSender,
     RefitSpec,
     connect_store,
-    serve_store,
 )
 from tandem.weight_sync.buckets import BucketPlan
 
@@ -80,10 +79,7 @@ class SplitSender(RefitSender):
         timeout_s: float,
         host: str = "127.0.0.1",
     ) -> None:
-        super().__init__(bucket_bytes, device, num_receivers)
-        self.timeout_s = timeout_s
-        self._host = host
-        self._store = serve_store(host, timeout_s)
+        super().__init__(bucket_bytes, device, num_receivers, timeout_s, host)
         self._generation = 0
         self._group: CollectiveGroup | None = None
         self._buffers: list[torch.Tensor] = []
