@@ -31,6 +31,7 @@ def _direct_logprobs(gen: HfGenerator, prompt: list[int], response: list[int]) -
 def test_greedy_is_deterministic_and_batch_independent(generator: HfGenerator) -> None:
     ids = _prompt_ids(generator)
     params = SamplingParams(temperature=0, max_tokens=6)
+    eos = generator.tokenizer.eos_token_id
     batched = generator.generate(ids, params)
     assert [r.response_token_ids for r in batched] == [
         r.response_token_ids for r in generator.generate(ids, params)
@@ -39,7 +40,9 @@ def test_greedy_is_deterministic_and_batch_independent(generator: HfGenerator) -
     assert [r.response_token_ids for r in batched] == [r.response_token_ids for r in alone]
     for b, a in zip(batched, alone, strict=True):
         assert b.response_logprobs == pytest.approx(a.response_logprobs, abs=1e-5)
-        assert b.finish_reason == "length" and len(b.response_token_ids) == 6
+        ran_out = b.finish_reason == "length" and len(b.response_token_ids) == 6
+        ended = b.finish_reason == "stop" and b.response_token_ids[-1] == eos
+        assert ran_out or ended
 
 
 def test_n_samples_grouped_seeded_and_logprobs_match_forward(generator: HfGenerator) -> None:
@@ -72,21 +75,11 @@ def test_eos_and_stop_strings(generator: HfGenerator) -> None:
     )
     assert stopped[0].finish_reason == "stop"
     assert stop_text not in stopped[0].response_text
-    # tied embeddings: push EOS's row along the final norm so EOS is the argmax everywhere
-    original = {k: v.clone() for k, v in generator.model.state_dict().items()}
-    try:
-        generator.load_weights([("model.embed_tokens.weight", _eos_favouring(original, eos))])
-        ended = generator.generate(ids, greedy)[0]
-        assert ended.response_token_ids == [eos] and ended.finish_reason == "stop"
-        assert ended.response_text == ""
-    finally:
-        generator.load_weights(original.items())
-
-
-def _eos_favouring(state: dict[str, torch.Tensor], eos: int) -> torch.Tensor:
-    embed = state["model.embed_tokens.weight"].clone()
-    embed[eos] = embed[eos] + 50.0 * torch.sign(state["model.norm.weight"]).float()
-    return embed
+    # the warm-started model ends its answers with EOS: kept in the ids, dropped from the text
+    ended = generator.generate(ids, greedy)[0]
+    assert ended.response_token_ids[-1] == eos and ended.finish_reason == "stop"
+    assert ended.response_text == generator.tokenizer.decode(ended.response_token_ids[:-1])
+    assert "<|endoftext|>" not in ended.response_text
 
 
 def test_load_weights_changes_outputs_and_restores(generator: HfGenerator) -> None:
