@@ -24,6 +24,8 @@ _ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    # the engine's per-refit INFO lines drown the run's own console line
+    "VLLM_LOGGING_LEVEL": "WARNING",
 }
 
 
