@@ -4,6 +4,7 @@ refit transport are handled here, so the algorithm never branches on them."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -100,7 +101,11 @@ class Runtime:
         assert self.generators is not None
         chunks = _split(list(range(len(prompt_token_ids))), self.generators.num_workers)
         results = self.generators.run_per_rank(
-            "generate", [([prompt_token_ids[i] for i in chunk], params) for chunk in chunks]
+            "generate",
+            [
+                ([prompt_token_ids[i] for i in chunk], _offset_seed(params, chunk[0]))
+                for chunk in chunks
+            ],
         )
         rollouts = []
         for chunk, chunk_rollouts in zip(chunks, results, strict=True):
@@ -161,3 +166,11 @@ class Runtime:
 
 def _split(items: list[int], parts: int) -> list[list[int]]:
     return [list(map(int, c)) for c in torch.tensor_split(torch.tensor(items), parts) if len(c)]
+
+
+def _offset_seed(params: Any, first_prompt: int) -> Any:
+    """Seeds of a chunk starting at prompt ``first_prompt``, so that sample ``j`` of prompt ``i``
+    draws the same stream whatever the number of generators (``seed + i * n + j`` globally)."""
+    if params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + first_prompt * params.n)
