@@ -21,6 +21,7 @@ from tandem.algorithms.losses import nll_loss
 from tandem.config.models import OptimizerConfig, PolicyConfig
 from tandem.data.batch import TrainBatch
 from tandem.trainer import PolicyTrainer
+from tandem.trainer.offload import release_device_caches
 
 
 def device_state_bytes(trainer: PolicyTrainer) -> int:
@@ -62,6 +63,8 @@ def main() -> None:
         optimizer=OptimizerConfig(lr=1e-5),
         **extra,
     )
+    release_device_caches()  # the ceilings' cuBLAS workspace: offload would free it too
+    baseline = torch.cuda.memory_allocated()
     trainer = PolicyTrainer(config, device="cuda:0")
     ids = torch.randint(0, 151936, (1, 512))
     trainer.train(TrainBatch(ids, torch.ones_like(ids), torch.ones(1, 512)), nll_loss)
@@ -80,6 +83,7 @@ def main() -> None:
                 "ceiling_pinned_d2h_gb_s": round(ceilings["pinned_d2h_gb_s"], 2),
                 "ratio": round(off_gb_s / ceilings["pinned_d2h_gb_s"], 3),
                 "allocated_after_offload": left,
+                "allocated_before_trainer": baseline,
             }
         )
         emit(

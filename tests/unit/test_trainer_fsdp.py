@@ -15,7 +15,7 @@ from test_trainer_support import make_batch, policy, spawn, token_nll, write_tin
 from torch.distributed.tensor import DTensor
 
 from tandem.trainer import PolicyTrainer
-from tandem.trainer.offload import move_state
+from tandem.trainer.offload import _fsdp_params, move_state
 
 # 7 rows: rank 0 gets 5 (3 micro-batches of 2), rank 1 gets 2 (1, padded with 2 fillers)
 SHARDS = (slice(0, 5), slice(5, 7))
@@ -38,9 +38,11 @@ def _identity_after_move(trainer: PolicyTrainer) -> dict[str, Any]:
         and exp_avg._local_tensor is exp_avg_local
         and trainer.optimizer.param_groups[0]["params"][0] is next(trainer.model.parameters())
         and rotary.inv_freq is inv_freq,
-        # the parameter DTensor swaps its whole contents, local shard included
         "moved": {t.device.type for t in (weight._local_tensor, exp_avg_local, inv_freq)}
         == {"meta"},
+        # every shard and FSDP2's flat (padded) view of it: no copy stays on the old device
+        "all_moved": all(p._local_tensor.is_meta for p in trainer.model.parameters())
+        and all(fp._sharded_param_data.is_meta for fp in _fsdp_params(trainer.model)),
     }
 
 
@@ -116,7 +118,7 @@ def test_logprobs_of_uneven_shards(two_ranks: Path, one_rank: dict[str, Any]) ->
 def test_offload_swap_keeps_fsdp_tensor_identity(two_ranks: Path) -> None:
     for rank in range(2):
         swap = torch.load(two_ranks / f"rank{rank}.pt")["swap"]
-        assert swap == {"same_objects": True, "moved": True}
+        assert swap == {"same_objects": True, "moved": True, "all_moved": True}
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank(
@@ -131,3 +133,32 @@ def test_two_rank_checkpoint_resumes_on_one_rank(
         assert torch.equal(tensor, saved[name]), name
     third = resumed.train(make_batch(seed=1, size=7), token_nll)["loss"]
     assert third == pytest.approx(one_rank["third"], rel=1e-5)
+
+
+def _padded_rank(rank: int, world_size: int, out: str) -> None:
+    """A 3-row weight over 2 ranks: rank 1's shard (1 row) is padded to 2 rows by FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(5, 3)
+    fully_shard(module, mesh=init_device_mesh("cpu", (world_size,)))
+    (fsdp_param,) = [fp for fp in _fsdp_params(module) if fp.sharded_param is module.weight]
+    local = module.weight._local_tensor
+    before = local.clone()
+    move_state(module, None, torch.device("meta"))
+    moved_to_meta = module.weight._local_tensor is local and local.is_meta
+    moved_to_meta &= fsdp_param._sharded_param_data.is_meta
+    result = {
+        "padded": fsdp_param._sharded_param_data.numel() > local.numel(),
+        "moved": moved_to_meta,
+        "shape": tuple(local.shape) == tuple(before.shape),
+    }
+    torch.save(result, Path(out) / f"padded{rank}.pt")
+
+
+def test_offload_moves_padded_shards_whole(tmp_path: Path) -> None:
+    spawn(_padded_rank, 2, str(tmp_path))
+    results = [torch.load(tmp_path / f"padded{rank}.pt") for rank in range(2)]
+    assert [r["padded"] for r in results] == [False, True]
+    assert all(r["moved"] and r["shape"] for r in results)

@@ -3,32 +3,42 @@
 Every tensor moves with ``torch.utils.swap_tensors``: the Python object stays the same and only
 its data changes device, so module attributes, tied weights, the optimizer's parameter references
 and any alias follow. (``p.data = p.data.to(d)`` fails for buffers under FSDP2, and rebinding a
-loop variable leaves the old device copy alive.) Parameters go through ``module._apply`` with
-swapping switched on, which is also where FSDP2 reshards and re-derives its sharded storage
-(``FSDPModule._apply`` calls ``reset_sharded_param``), so no stale device copy survives.
-``_apply`` rebinds buffers instead of swapping them, so buffers (the rotary ``inv_freq``) are
-swapped here first and ``_apply`` then finds them on the target device.
+loop variable leaves the old device copy alive.)
+
+Only plain tensors are swapped. A DTensor (an FSDP2 parameter, its gradient, its optimizer
+state) keeps its object and gets a new local tensor of the same identity. FSDP2 keeps a second
+view of each shard (``FSDPParam._sharded_param_data``, the padded all-gather input): it is moved
+as the unit and the parameter's local shard becomes a view of it again, so no stale device copy
+survives. (Swapping whole DTensor parameters, as ``module._apply`` does, left one device copy of
+every shard alive on torch 2.11 + CUDA.)
+
 Host copies are pinned when CUDA is present so transfers run at bus bandwidth; the caching host
-allocator keeps the pinned blocks, so the second and later offloads do not pin again.
+allocator keeps the pinned blocks, so the second and later offloads do not pin again. Onload
+reserves the device memory it needs in one allocation first, so the per-tensor allocations that
+follow are carved from one cached segment instead of one ``cudaMalloc`` each.
 """
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
+from tandem.trainer.parallelize import reshard
+
 try:
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch without distributed
-    DTensor = None  # type: ignore[assignment,misc]
+    DTensor = FSDPModule = None  # type: ignore[assignment,misc]
 
 CPU = torch.device("cpu")
 
 
-def _moved_local(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of the plain ``tensor`` on ``device``: pinned on the host when it leaves a GPU."""
     if device.type == "cpu":
         pin = torch.cuda.is_available() and tensor.device.type == "cuda"
         out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
@@ -36,43 +46,86 @@ def _moved_local(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
-def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of ``tensor`` on ``device``; a DTensor keeps its mesh, placements and shape."""
-    if DTensor is not None and isinstance(tensor, DTensor):
-        local = _moved_local(tensor._local_tensor, device)
-        return DTensor.from_local(
-            local,
-            tensor.device_mesh,
-            tensor.placements,
-            run_check=False,
-            shape=tensor.shape,
-            stride=tensor.stride(),
-        )
-    return _moved_local(tensor, device)
-
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The plain tensor behind a DTensor (FSDP2 optimizer state is DTensors)."""
+    """The plain tensor behind a DTensor (FSDP2 parameters, gradients, optimizer state)."""
     return getattr(tensor, "_local_tensor", tensor)
+
+
+def _swap(tensor: torch.Tensor, device: torch.device) -> None:
+    """Move the plain ``tensor`` to ``device`` in place (same object, new data)."""
+    if tensor.device != device:
+        torch.utils.swap_tensors(tensor, _moved(tensor, device))
+
+
+def _fsdp_params(module: nn.Module) -> list[Any]:
+    """FSDP2's per-parameter records (``FSDPParam``) of every FSDP module under ``module``."""
+    found: list[Any] = []
+    if FSDPModule is None:
+        return found
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = sub._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)  # a list since torch 2.12
+        if groups is None:
+            group = state._fsdp_param_group
+            groups = [group] if group is not None else []
+        for group in groups:
+            found.extend(group.fsdp_params)
+    return found
+
+
+def _move_fsdp_param(fsdp_param: Any, device: torch.device) -> None:
+    """The padded shard moves; the parameter's local shard (same object) becomes its view."""
+    padded = fsdp_param._sharded_param_data
+    if padded.device == device:
+        return
+    moved = _moved(padded, device)
+    local = fsdp_param.sharded_param._local_tensor
+    # FSDP2 shards dim 0, so the unpadded shard is a prefix of the flat padded data
+    torch.utils.swap_tensors(local, moved[: local.numel()].view(local.shape))
+    fsdp_param._sharded_param_data = moved
+
+
+def _move_parameter(param: nn.Parameter, device: torch.device) -> None:
+    grad = param.grad
+    if DTensor is not None and isinstance(param, DTensor):
+        _swap(param._local_tensor, device)  # a no-op for FSDP2 shards, moved with their FSDPParam
+    elif param.device != device:
+        param.grad = None  # the reference from .grad would block the swap
+        swapped = nn.Parameter(_moved(param.detach(), device), requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, swapped)
+    if grad is not None:
+        _swap(_local(grad), device)
+        param.grad = grad
+
+
+def _parameters(module: nn.Module) -> Iterator[nn.Parameter]:
+    """Every parameter once (tied weights are one object)."""
+    seen: set[int] = set()
+    for param in module.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            yield param
 
 
 def move_buffers(module: nn.Module, device: torch.device) -> None:
     """Buffers of ``module`` (rotary ``inv_freq``...) to ``device``, swapped in place."""
     for buffer in module.buffers():
-        if buffer.device != device:
-            torch.utils.swap_tensors(buffer, _moved(buffer, device))
+        _swap(_local(buffer), device)
 
 
 def move_module(module: nn.Module, device: torch.device) -> None:
     """Parameters, their gradients and buffers of ``module`` to ``device``, in place."""
-    move_buffers(module, device)
-    previous = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        with torch.no_grad():
-            module._apply(lambda t: t if _local(t).device == device else _moved(t, device))
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(previous)
+    fsdp_params = _fsdp_params(module)
+    if fsdp_params:
+        reshard(module)  # a gathered module registers its unsharded parameters instead
+    with torch.no_grad():
+        for fsdp_param in fsdp_params:
+            _move_fsdp_param(fsdp_param, device)
+        for param in _parameters(module):
+            _move_parameter(param, device)
+        move_buffers(module, device)
 
 
 def _optimizer_tensors(
@@ -91,12 +144,25 @@ def _optimizer_tensors(
 def move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Optimizer state to the host (``device`` is the CPU) or back beside its parameters."""
     for value, param, beside_param in _optimizer_tensors(optimizer):
-        local = _local(value)
-        target = CPU if device.type == "cpu" else _local(param).device
         if not beside_param and device.type != "cpu":
             continue  # a host step stays on the host
-        if local.device != target:
-            torch.utils.swap_tensors(local, _moved_local(local, target))
+        _swap(_local(value), CPU if device.type == "cpu" else _local(param).device)
+
+
+def _host_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of the parameters, gradients and optimizer state now on the host."""
+    tensors = [_local(p) for p in _parameters(module)]
+    tensors += [_local(p.grad) for p in _parameters(module) if p.grad is not None]
+    if optimizer is not None:
+        tensors += [_local(v) for v, _, beside in _optimizer_tensors(optimizer) if beside]
+    return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cpu")
+
+
+def _reserve(device: torch.device, num_bytes: int) -> None:
+    """Grow the caching allocator by one segment of ``num_bytes``; later allocations split it."""
+    if num_bytes > 0:
+        block = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        del block
 
 
 def release_device_caches() -> None:
@@ -122,16 +188,15 @@ def move_state(
     gradients and optimizer state on the host already)."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if include_parameters:
+    if not include_parameters:
+        move_buffers(module, device)
+    else:
+        if device.type == "cuda":
+            _reserve(device, _host_bytes(module, optimizer))
         move_module(module, device)
         if optimizer is not None:
             move_optimizer(optimizer, device)
-    else:
-        move_buffers(module, device)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         if device.type == "cpu":
-            # the swapped-out FSDP2 DTensors (holding the old device shards) sit in reference
-            # cycles: only the cyclic collector frees them
-            gc.collect()
             release_device_caches()
