@@ -48,7 +48,10 @@ class RefitSpec:
     num_receivers: int
     timeout_s: float
     buffers: tuple[Any, ...] = ()
-    """colocated: per slot, shared-memory paths (cpu) or per-receiver CUDA IPC handles (cuda)."""
+    """colocated: the memory holding every slot: its shared-memory path (cpu) or one CUDA IPC
+    handle per receiver (cuda)."""
+    events: tuple[bytes, ...] = ()
+    """colocated on CUDA: per slot, the IPC handle of the event recorded when it is packed."""
     group_generation: int = 0
     """split: which process group to join (a new one after a failed refit)."""
 
@@ -60,6 +63,10 @@ class SendStats:
     seconds: float
     num_bytes: int
     num_buckets: int
+    attach_seconds: float = 0.0
+    """Of ``seconds``: waiting for the receivers to join (open buffers, form the group)."""
+    finish_seconds: float = 0.0
+    """Of ``seconds``: after the last bucket, until every receiver is done and buffers are freed."""
 
     @property
     def gb_per_s(self) -> float:
@@ -71,7 +78,15 @@ class SendStats:
             "bytes": float(self.num_bytes),
             "gb_per_s": self.gb_per_s,
             "num_buckets": float(self.num_buckets),
+            "attach_seconds": self.attach_seconds,
+            "finish_seconds": self.finish_seconds,
         }
+
+
+def slot_layout(plan: BucketPlan) -> tuple[int, int]:
+    """(bytes of one slot, number of slots): a slot holds the largest bucket of ``plan``."""
+    size = max((bucket.used_bytes for bucket in plan.buckets), default=0)
+    return size, min(NUM_SLOTS, len(plan.buckets))
 
 
 class RefitError(RuntimeError):
@@ -96,18 +111,20 @@ def serve_store(host: str, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def wait_signals(store: dist.Store, keys: list[str], timeout_s: float, what: str) -> None:
-    """Wait for ``keys``; raise RefitError naming ``what`` on timeout or an abort signal."""
+def wait_signals(store: dist.Store, keys: list[str], timeout_s: float, what: str) -> list[bytes]:
+    """Wait for ``keys`` and return their values (one round trip: ``multi_get`` waits up to the
+    store's timeout, ``timeout_s``); raise RefitError naming ``what`` on timeout or an abort."""
     try:
-        store.wait(keys, timedelta(seconds=timeout_s))
+        values = store.multi_get(keys)
     except dist.DistStoreError as error:
         raise RefitError(
             f"refit timed out after {timeout_s:.0f} s waiting for {what}; a generator worker or "
             f"the trainer probably died or stopped consuming (keys {keys[:4]})"
         ) from error
-    for value in store.multi_get(keys):
+    for value in values:
         if value.startswith(ABORT):
             raise RefitError(f"refit aborted by the other side: {value[len(ABORT) :].decode()}")
+    return values
 
 
 def abort_signal(message: str) -> str:
@@ -177,6 +194,8 @@ class RefitSender:
         self._host = host
         self._store = serve_store(host, timeout_s)
         self._refit_id = 0
+        self._attach_seconds = 0.0
+        """Of the current send(): time spent waiting for the receivers to join."""
         self._plan: BucketPlan | None = None
         self._spec: RefitSpec | None = None
 
@@ -197,9 +216,11 @@ class RefitSender:
         if spec is None:
             raise RuntimeError("send() without prepare(); call prepare(metadata) first")
         start = time.perf_counter()
+        finished = start
         buckets = spec.plan.buckets
         try:
             self._begin(spec)
+            self._attach_seconds = time.perf_counter() - start
             cursor = _StreamCursor(spec.plan, weight_stream)
             for i, bucket in enumerate(buckets):
                 slot = i % NUM_SLOTS
@@ -213,6 +234,7 @@ class RefitSender:
                 self._publish(spec, i, slot, bucket.used_bytes)
             if not buckets:
                 cursor.finish()
+            finished = time.perf_counter()
             for i in range(max(0, len(buckets) - NUM_SLOTS), len(buckets)):
                 self._wait_slot(spec, i)
             self._end(spec)
@@ -221,8 +243,10 @@ class RefitSender:
             raise
         finally:
             self._release(spec)
-        seconds = time.perf_counter() - start
-        return SendStats(seconds, spec.plan.total_bytes, len(buckets))
+        end = time.perf_counter()
+        return SendStats(
+            end - start, spec.plan.total_bytes, len(buckets), self._attach_seconds, end - finished
+        )
 
     def close(self) -> None:
         """Free everything cached across refits (store, process group)."""

@@ -26,6 +26,7 @@ from tandem.weight_sync.base import (
     RefitSender,
     RefitSpec,
     connect_store,
+    slot_layout,
 )
 from tandem.weight_sync.buckets import BucketPlan
 
@@ -60,10 +61,6 @@ def _broadcast(group: CollectiveGroup, tensor: torch.Tensor) -> dist.Work:
     options = dist.BroadcastOptions()
     options.rootRank = 0
     return group.broadcast([tensor], options)
-
-
-def _bucket_size(plan: BucketPlan) -> int:
-    return max((bucket.used_bytes for bucket in plan.buckets), default=0)
 
 
 class SplitSender(RefitSender):
@@ -104,8 +101,7 @@ class SplitSender(RefitSender):
             self._group = _new_group(
                 self._store, spec.group_generation, 0, size, self.device, spec.timeout_s
             )
-        num_slots = min(NUM_SLOTS, len(spec.plan.buckets))
-        size = _bucket_size(spec.plan)
+        size, num_slots = slot_layout(spec.plan)
         self._buffers = [
             torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(num_slots)
         ]
@@ -168,10 +164,9 @@ class SplitReceiver(RefitReceiver):
             )
         self._group = _RECEIVER_GROUPS[key]
         buckets = spec.plan.buckets
-        size = _bucket_size(spec.plan)
+        size, num_slots = slot_layout(spec.plan)
         self._buffers = [
-            torch.empty(size, dtype=torch.uint8, device=self.device)
-            for _ in range(min(NUM_SLOTS, len(buckets)))
+            torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(num_slots)
         ]
         self._works: dict[int, dist.Work] = {}
         if buckets:
