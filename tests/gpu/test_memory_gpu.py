@@ -9,9 +9,7 @@ buffers + the stated slack; after offload the trainer holds 0 bytes allocated an
 from __future__ import annotations
 
 import gc
-import os
 import shutil
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -31,6 +29,7 @@ from tandem.weight_sync import make_receiver, make_sender
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.usefixtures("process_group"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
@@ -63,18 +62,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if (DEFAULT_MODEL_DIR / name).exists():
             shutil.copy(DEFAULT_MODEL_DIR / name, path / name)
     return path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group() -> Any:
-    if not torch.distributed.is_initialized():  # a fresh port: the last group's may linger
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def _generator_main(model_dir: str, specs: Any, results: Any) -> None:

@@ -8,8 +8,6 @@ it) and FSDP2 with CPUOffloadPolicy, each with fp32 and bf16 parameters.
 from __future__ import annotations
 
 import gc
-import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from tandem.trainer.offload import release_device_caches
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.usefixtures("process_group"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
@@ -52,19 +51,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     transformers.Qwen2ForCausalLM(config).save_pretrained(path)
     return path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group() -> Any:
-    """FSDP2 at world size 1 joins a one-rank NCCL group; it outlives the module's tests."""
-    if not torch.distributed.is_initialized():  # a fresh port: the last group's may linger
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def make_batch(seed: int, size: int = 4, width: int = 24) -> TrainBatch:
