@@ -1,13 +1,16 @@
-"""The environment builder with the real uv, on a tiny uv project (one small locked package, taken
-from uv's cache offline) so builds take a second instead of minutes."""
+"""The environment builder with the real uv, on a tiny uv project (one small package, a wheel
+the test writes itself, taken from a local folder offline) so builds take a second instead of
+minutes and need no network or warm uv cache."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import subprocess
 import sys
-from importlib.metadata import version
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -15,17 +18,42 @@ import pytest
 from tandem.cluster import envs
 from tandem.cluster.envs import EnvBuilder, EnvBuildError, EnvSpec
 
-FILELOCK = f"filelock=={version('filelock')}"  # installed from the project's lock: in uv's cache
+PROBE = "tandem-probe==1.0"
+"""The tiny project's one dependency: a pure-Python wheel written by ``_write_probe_wheel``."""
+
+
+def _write_probe_wheel(folder: Path) -> None:
+    folder.mkdir(exist_ok=True)
+    files = {
+        "tandem_probe/__init__.py": "VALUE = 1\n",
+        "tandem_probe-1.0.dist-info/METADATA": (
+            "Metadata-Version: 2.1\nName: tandem-probe\nVersion: 1.0\n"
+        ),
+        "tandem_probe-1.0.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: tandem-tests\nRoot-Is-Purelib: true\n"
+            "Tag: py3-none-any\n"
+        ),
+    }
+    record = []
+    for name, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{name},sha256={digest.decode()},{len(text.encode())}")
+    record.append("tandem_probe-1.0.dist-info/RECORD,,")
+    files["tandem_probe-1.0.dist-info/RECORD"] = "\n".join(record) + "\n"
+    with zipfile.ZipFile(folder / "tandem_probe-1.0-py3-none-any.whl", "w") as wheel:
+        for name, text in files.items():
+            wheel.writestr(name, text)
 
 
 def _write_project(root: Path, extra_b: list[str]) -> None:
     root.mkdir(exist_ok=True)
+    _write_probe_wheel(root / "wheels")
     (root / "pyproject.toml").write_text(
         "[project]\n"
         'name = "tiny"\nversion = "0"\nrequires-python = ">=3.11"\ndependencies = []\n'
         "[project.optional-dependencies]\n"
-        f"a = {json.dumps([FILELOCK])}\nb = {json.dumps(extra_b)}\n"
-        "[tool.uv]\npackage = false\n"
+        f"a = {json.dumps([PROBE])}\nb = {json.dumps(extra_b)}\n"
+        '[tool.uv]\npackage = false\nno-index = true\nfind-links = ["wheels"]\n'
     )
     subprocess.run([*envs.uv_command(), "lock", "--offline", "-q"], cwd=root, check=True)
 
@@ -51,11 +79,11 @@ def test_key_follows_requirements_only(project: Path) -> None:
     assert _builder(project).key(a) == key_a  # deterministic across builders
     assert before.key(EnvSpec("other", ("a",))) != key_a  # the spec is part of the key
 
-    _write_project(project, extra_b=[FILELOCK])  # a dependency change in extra b only
+    _write_project(project, extra_b=[PROBE])  # a dependency change in extra b only
     after = _builder(project)
     assert after.key(a) == key_a
     assert after.key(b) != key_b
-    assert after.requirements(b) == [FILELOCK]
+    assert after.requirements(b) == [PROBE]
 
 
 def test_build_then_reuse(project: Path) -> None:
@@ -64,7 +92,7 @@ def test_build_then_reuse(project: Path) -> None:
     assert first.built and first.complete
     assert first.path.name == f"a-{first.key[:12]}"
     out = subprocess.run(
-        [str(first.python), "-c", "import filelock, sys; print(sys.prefix)"],
+        [str(first.python), "-c", "import tandem_probe, sys; print(sys.prefix)"],
         capture_output=True,
         text=True,
         check=True,
@@ -89,8 +117,10 @@ def test_bogus_extra_fails_and_leaves_nothing(project: Path) -> None:
 
 def test_failed_sync_leaves_nothing(project: Path, tmp_path: Path, monkeypatch) -> None:
     builder = _builder(project)
-    builder.key(EnvSpec("a", ("a",)))  # exported now; the install then meets an empty cache
+    builder.key(EnvSpec("a", ("a",)))  # exported now; the install then finds no wheel
     monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "empty-cache"))
+    for wheel in (project / "wheels").iterdir():
+        wheel.unlink()
     with pytest.raises(EnvBuildError, match="uv sync"):
         builder.ensure(EnvSpec("a", ("a",)))
     leftovers = [p.name for p in envs.cache_root().iterdir() if p.is_dir()]
