@@ -13,7 +13,13 @@ import torch
 import torch.multiprocessing as mp
 
 from tandem.config.models import RefitConfig
-from tandem.weight_sync import RefitError, make_receiver, make_sender, metadata_of
+from tandem.weight_sync import (
+    RefitError,
+    bucket_bytes_for,
+    make_receiver,
+    make_sender,
+    metadata_of,
+)
 from tandem.weight_sync.buckets import flat_bytes
 
 BUCKET_BYTES = 2**16
@@ -190,3 +196,14 @@ def test_empty_stream_and_auto_transport() -> None:
     assert make_sender(RefitConfig(), "cpu", placement="split").transport == "split"
     with pytest.raises(ValueError, match="rank"):
         make_receiver(spec, "cpu", rank=2)
+
+
+def test_bucket_size_defaults_by_device() -> None:
+    unset = RefitConfig(transport="colocated")
+    assert make_sender(unset, "cpu").bucket_bytes == 64 * 2**20
+    assert bucket_bytes_for(unset, torch.device("cuda", 0)) == 512 * 2**20
+    explicit = RefitConfig(transport="colocated", bucket_bytes=2**20)
+    assert make_sender(explicit, "cpu").bucket_bytes == 2**20
+    assert bucket_bytes_for(explicit, torch.device("cuda", 0)) == 2**20
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        RefitConfig(bucket_bytes=1024)

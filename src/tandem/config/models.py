@@ -120,8 +120,10 @@ class RefitConfig(Section):
     transport: Literal["auto", "colocated", "split"] = "auto"
     """How weights travel: colocated (shared buffers: CUDA IPC / shared memory), split (a
     standalone process group: NCCL / gloo). auto follows cluster.placement."""
-    bucket_bytes: int = Field(64 * 2**20, ge=2**16)
-    """Size of one refit bucket; two alternate so packing overlaps sending."""
+    bucket_bytes: int | None = Field(None, ge=2**16)
+    """Size of one refit bucket; two alternate so packing overlaps sending. None picks by the
+    trainer's device: 64 MiB on CPU, 512 MiB on GPU, where larger buckets refit 2-3x faster
+    (docs/performance.md). The two buckets are never larger than the model needs."""
     logprob_mismatch_alarm: float = Field(0.05, gt=0)
     """Warn when mean |generator - trainer| token logprob exceeds this after a refit."""
 

@@ -38,6 +38,7 @@ __all__ = [
     "RefitSpec",
     "SendStats",
     "TensorMeta",
+    "bucket_bytes_for",
     "make_receiver",
     "make_sender",
     "metadata_of",
@@ -46,6 +47,19 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 300.0
 """How long one refit step (a bucket, the rendezvous) may wait for the other side."""
+
+DEFAULT_BUCKET_BYTES = {"cpu": 64 * 2**20, "cuda": 512 * 2**20}
+"""``refit.bucket_bytes`` when unset, by the trainer's device type. On a 2-core CPU 64 MiB
+was the fastest of 16 MiB - 1 GiB (`bench/refit.py`); on an H200 512 MiB refits a 1.5B / 8B
+model 2-3x faster than 64 MiB, where per-bucket signals and kernel launches dominate
+(`bench/refit_gpu.py`, docs/performance.md)."""
+
+
+def bucket_bytes_for(config: RefitConfig, device: torch.device) -> int:
+    """``config.bucket_bytes``, or the default for ``device``'s type when it is unset."""
+    if config.bucket_bytes is not None:
+        return config.bucket_bytes
+    return DEFAULT_BUCKET_BYTES.get(device.type, DEFAULT_BUCKET_BYTES["cuda"])
 
 
 def resolve_transport(
@@ -82,7 +96,7 @@ def make_sender(
         raise ValueError(f"timeout_s={timeout_s}; use a positive number of seconds")
     transport = resolve_transport(config, placement)
     cls = ColocatedSender if transport == "colocated" else SplitSender
-    return cls(config.bucket_bytes, device, num_receivers, timeout_s, host)
+    return cls(bucket_bytes_for(config, device), device, num_receivers, timeout_s, host)
 
 
 def make_receiver(spec: RefitSpec, device: torch.device | str, rank: int = 1) -> RefitReceiver:
