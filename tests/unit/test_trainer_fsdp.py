@@ -162,3 +162,31 @@ def test_offload_moves_padded_shards_whole(tmp_path: Path) -> None:
     results = [torch.load(tmp_path / f"padded{rank}.pt") for rank in range(2)]
     assert [r["padded"] for r in results] == [False, True]
     assert all(r["moved"] and r["shape"] for r in results)
+
+
+def _one_rank_weights(rank: int, world_size: int, model_dir: str, out: str) -> None:
+    """FSDP2 on a one-rank mesh (what mixed precision on one GPU builds): the weight stream."""
+    trainer = PolicyTrainer(policy(Path(model_dir), mixed_precision=True), rank, world_size)
+    trainer.train(make_batch(size=3), token_nll)
+    locals_ = {name: p._local_tensor for name, p in trainer.lm.named_parameters()}
+    streamed = dict(trainer.iter_weights())
+    result = {
+        "sharded": all(isinstance(p, DTensor) for p in trainer.lm.parameters()),
+        # the stream yields the live shards themselves: no gather, no copy
+        "no_copy": all(t.data_ptr() == locals_[name].data_ptr() for name, t in streamed.items()),
+        "equal_to_gather": all(
+            torch.equal(t, dict(trainer.lm.named_parameters())[name].full_tensor())
+            for name, t in streamed.items()
+        ),
+        "names": sorted(streamed),
+    }
+    torch.save(result, Path(out) / "one_rank_weights.pt")
+
+
+def test_one_rank_fsdp_streams_its_shards_without_a_gather(model_dir: Path, tmp_path: Path) -> None:
+    spawn(_one_rank_weights, 1, str(model_dir), str(tmp_path))
+    result = torch.load(tmp_path / "one_rank_weights.pt")
+    assert result["sharded"]
+    assert result["no_copy"]
+    assert result["equal_to_gather"]
+    assert "model.embed_tokens.weight" in result["names"]

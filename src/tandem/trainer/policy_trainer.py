@@ -224,8 +224,9 @@ class PolicyTrainer:
     def iter_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full weights in Hugging Face names, one tensor at a time, on this rank's device.
         Under FSDP2 each gather is a collective: every rank iterates to the end, only rank 0
-        yields. Tied LM heads are left out (loaders re-tie them to the embedding). Without FSDP
-        the tensors are the live parameters (no copy): copy them to keep them past a step."""
+        yields. Tied LM heads are left out (loaders re-tie them to the embedding). On one rank
+        (with or without FSDP) the tensors on the device are the live parameters (no copy):
+        copy them to keep them past a step."""
         for name, tensor in hf_state(self.lm):
             full = full_tensor(tensor, self.device)
             if self.rank == 0:
