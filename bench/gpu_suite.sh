@@ -25,8 +25,10 @@ stage pytest 200 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rfE 
 tail -n 25 "$OUT/pytest.log"
 stage train 140 python3 bench/train_throughput.py --profile "$OUT/profile.txt"
 stage offload 100 python3 bench/offload.py
-stage refit 130 python3 bench/refit_gpu.py
-for f in train offload refit; do grep -E "Error|error:" "$OUT/$f.log" | tail -n 3; done
+stage refit 200 python3 bench/refit_gpu.py
+stage breakdown 150 sh -c "python3 bench/refit_breakdown.py --model 8b --bucket-mib 2048 &&
+  python3 bench/refit_breakdown.py --model 1.5b --bucket-mib 512"
+for f in train offload refit breakdown; do grep -E "Error|error:" "$OUT/$f.log" | tail -n 3; done
 python3 - "$OUT/figures.jsonl" <<'PY'
 import json, sys
 try:

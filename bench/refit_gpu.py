@@ -7,7 +7,7 @@ generator's ``load_weights`` does, and returns a checksum. The ceiling is ``dst.
 the same tensors in one process (payload bytes / s); a colocated refit copies every byte twice
 (pack into the bucket, then the receiver's copy), so its ideal is about half of it.
 
-    PYTHONPATH=src python bench/refit_gpu.py [--models 1.5b 8b] [--buckets-mib 64 512 2048]
+    PYTHONPATH=src python bench/refit_gpu.py [--models 1.5b 8b] [--buckets-mib 64 512 1024 2048]
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def bench_model(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=["1.5b", "8b"], choices=sorted(SHAPES))
-    parser.add_argument("--buckets-mib", type=int, nargs="+", default=[64, 512, 2048])
+    parser.add_argument("--buckets-mib", type=int, nargs="+", default=[64, 512, 1024, 2048])
     args = parser.parse_args()
     ceilings = measure_ceilings()
     emit({"figure": "d2d_copy_gb_s_read_plus_write", "value": round(ceilings["d2d_copy_gb_s"])})
