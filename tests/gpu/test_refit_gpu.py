@@ -26,6 +26,8 @@ def gpu_state_dict(seed: int, device: str) -> dict[str, torch.Tensor]:
         "embed.weight": torch.randn(1024, 384, generator=gen).to(torch.bfloat16),  # 768 KiB: whole
         "big.weight": torch.randn(600, 1000, generator=gen),  # 2.4 MB: split over 3 buckets
         "step": torch.tensor(seed, dtype=torch.int64),
+        # not contiguous: even in a live refit it is packed, so the buckets are used too
+        "proj.weight": torch.randn(96, 160, generator=gen).t(),
     }
     for i in range(6):
         tensors[f"layers.{i}.w"] = torch.randn(256, 512, generator=gen).to(torch.bfloat16)
@@ -33,7 +35,7 @@ def gpu_state_dict(seed: int, device: str) -> dict[str, torch.Tensor]:
             0, 256, (128, 128), generator=gen, dtype=torch.uint8
         ).view(torch.float8_e4m3fn)
         tensors[f"layers.{i}.scale"] = torch.rand((), generator=gen)
-    return {name: t.to(device) for name, t in tensors.items()}
+    return {name: t.to(device) for name, t in tensors.items()}  # .to keeps the strides
 
 
 def _load(weights: Any, params: dict[str, torch.Tensor], device: str) -> None:
@@ -57,7 +59,7 @@ def _receiver_main(rank: int, device: str, specs: Any, results: Any) -> None:
         results.put((spec.refit_id, len(params), bad))
 
 
-def _run(transport: str, sender_device: str, receiver_device: str) -> None:
+def _run(transport: str, sender_device: str, receiver_device: str, live: bool = False) -> None:
     ctx = mp.get_context("spawn")
     specs, results = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_receiver_main, args=(1, receiver_device, specs, results))
@@ -73,8 +75,10 @@ def _run(transport: str, sender_device: str, receiver_device: str) -> None:
             baseline = torch.cuda.memory_allocated(sender_device)
             spec = sender.prepare(metadata_of(state.items()))
             specs.put(spec)
-            stats = sender.send(iter(state.items()))
+            stats = sender.send(iter(state.items()), live=live)
             assert stats.num_buckets == len(spec.plan.buckets) > 3
+            # live: the receiver copied (most) tensors straight out of this process's memory
+            assert (stats.in_place_bytes > 0) == live, stats
             assert results.get(timeout=120) == (refit_id, len(state), [])
             torch.cuda.synchronize()
             # The refit buckets are gone: the trainer holds exactly what it held before.
@@ -89,6 +93,10 @@ def _run(transport: str, sender_device: str, receiver_device: str) -> None:
 
 def test_colocated_cuda_ipc_two_processes_one_gpu() -> None:
     _run("colocated", "cuda:0", "cuda:0")
+
+
+def test_colocated_live_tensors_are_read_in_place() -> None:
+    _run("colocated", "cuda:0", "cuda:0", live=True)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL split needs two GPUs")

@@ -105,3 +105,38 @@ def test_metadata_accepts_tensor_meta_and_counts_bytes() -> None:
     meta = TensorMeta("x", (2, 3), torch.bfloat16)
     assert meta.num_bytes == 12
     assert plan_buckets([meta], 2**16).total_bytes == 12
+
+
+def test_in_place_tensors_are_yielded_once_at_their_last_piece() -> None:
+    """Tensors the sender shared in place are not read from the buffer; a split one is yielded
+    once, in the bucket of its last piece, and nothing is assembled for it."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "a": torch.randn(100, generator=gen),
+        "big": torch.randn(3000, generator=gen),  # 12 KB: split over 3 buckets of 4 KiB
+        "c": torch.randn(10, generator=gen),
+        "d": torch.randn(200, generator=gen),
+    }
+    plan = plan_buckets([(n, t.shape, t.dtype) for n, t in tensors.items()], 4096)
+    shared = {1: tensors["big"], 3: tensors["d"]}  # by tensor index: read where they live
+    values = list(tensors.values())
+    yielded: list[tuple[int, str]] = []
+    partial: dict[int, torch.Tensor] = {}
+    for i, bucket in enumerate(plan.buckets):
+        buffer = torch.full((4096,), 0xAB, dtype=torch.uint8)  # in-place pieces stay garbage
+        for piece in bucket.pieces:
+            if piece.tensor_index not in shared:
+                pack_piece(buffer, piece, values[piece.tensor_index])
+        in_place = {k: v for k, v in shared.items() if k in {p.tensor_index for p in bucket.pieces}}
+        for name, tensor in unpack_bucket(buffer, bucket, plan, partial, in_place):
+            yielded.append((i, name))
+            assert torch.equal(tensor, tensors[name]), name
+            if name in ("big", "d"):
+                assert tensor is tensors[name]  # no copy
+        assert not partial  # nothing was assembled for the split in-place tensor
+    big_buckets = [
+        i for i, b in enumerate(plan.buckets) if any(p.tensor_index == 1 for p in b.pieces)
+    ]
+    assert len(big_buckets) == 3
+    assert [name for _, name in yielded] == ["a", "big", "c", "d"]
+    assert (big_buckets[-1], "big") in yielded

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from tandem.weight_sync.buckets import (
     BucketPlan,
+    Piece,
     TensorMeta,
     check_tensor,
     pack_piece,
@@ -48,8 +49,8 @@ class RefitSpec:
     num_receivers: int
     timeout_s: float
     buffers: tuple[Any, ...] = ()
-    """colocated: the memory holding every slot: its shared-memory path (cpu) or one CUDA IPC
-    handle per receiver (cuda)."""
+    """colocated: the memory holding every slot: its shared-memory path (cpu), or (cuda) the
+    allocator segment it lives in: (segment id, IPC handle hex, segment bytes, offset)."""
     events: tuple[bytes, ...] = ()
     """colocated on CUDA: per slot, the IPC handle of the event recorded when it is packed."""
     group_generation: int = 0
@@ -67,6 +68,8 @@ class SendStats:
     """Of ``seconds``: waiting for the receivers to join (open buffers, form the group)."""
     finish_seconds: float = 0.0
     """Of ``seconds``: after the last bucket, until every receiver is done and buffers are freed."""
+    in_place_bytes: int = 0
+    """Of ``num_bytes``: what the receivers read where the sender holds it (not packed)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -80,6 +83,7 @@ class SendStats:
             "num_buckets": float(self.num_buckets),
             "attach_seconds": self.attach_seconds,
             "finish_seconds": self.finish_seconds,
+            "in_place_bytes": float(self.in_place_bytes),
         }
 
 
@@ -210,14 +214,22 @@ class RefitSender:
         self._spec = self._make_spec(self._refit_id, self._plan)
         return self._spec
 
-    def send(self, weight_stream: Iterable[tuple[str, torch.Tensor]]) -> SendStats:
-        """Pack and send the stream bucket by bucket; returns when every receiver has it."""
+    def send(
+        self, weight_stream: Iterable[tuple[str, torch.Tensor]], *, live: bool = False
+    ) -> SendStats:
+        """Pack and send the stream bucket by bucket; returns when every receiver has it.
+
+        ``live``: the stream yields tensors that stay alive and unchanged until ``send()``
+        returns (a trainer's own parameters, not gathers or casts). A transport may then let
+        the receivers read them in place instead of packing them (colocated on CUDA does).
+        """
         spec, self._spec = self._spec, None
         if spec is None:
             raise RuntimeError("send() without prepare(); call prepare(metadata) first")
         start = time.perf_counter()
         finished = start
         buckets = spec.plan.buckets
+        in_place = 0
         try:
             self._begin(spec)
             self._attach_seconds = time.perf_counter() - start
@@ -228,7 +240,11 @@ class RefitSender:
                     self._wait_slot(spec, i - NUM_SLOTS)
                 buffer = self._buffer(slot)
                 for piece in bucket.pieces:
-                    pack_piece(buffer, piece, cursor.tensor(piece.tensor_index))
+                    tensor = cursor.tensor(piece.tensor_index)
+                    if live and self._share(i, piece, tensor):
+                        in_place += piece.num_bytes
+                    else:
+                        pack_piece(buffer, piece, tensor)
                 if i == len(buckets) - 1:
                     cursor.finish()  # before the last publish: receivers must not finish first
                 self._publish(spec, i, slot, bucket.used_bytes)
@@ -245,7 +261,12 @@ class RefitSender:
             self._release(spec)
         end = time.perf_counter()
         return SendStats(
-            end - start, spec.plan.total_bytes, len(buckets), self._attach_seconds, end - finished
+            end - start,
+            spec.plan.total_bytes,
+            len(buckets),
+            self._attach_seconds,
+            end - finished,
+            in_place,
         )
 
     def close(self) -> None:
@@ -260,6 +281,11 @@ class RefitSender:
 
     def _buffer(self, slot: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def _share(self, index: int, piece: Piece, tensor: torch.Tensor) -> bool:
+        """Let the receivers read ``piece`` of a live ``tensor`` in place (bucket ``index``);
+        False: pack it."""
+        return False
 
     def _publish(self, spec: RefitSpec, index: int, slot: int, num_bytes: int) -> None:
         raise NotImplementedError
@@ -283,9 +309,10 @@ class RefitReceiver:
     ``iter_weights()`` yields ``(name, tensor)`` in metadata order. A tensor that fits a bucket
     is a view into the receiver's (or the shared) bucket buffer: it is valid only until the
     iterator advances past its bucket, so consumers copy it (``param.copy_``, vLLM
-    ``reload_weights``). Tensors split across buckets are yielded as owned tensors.
-    With CUDA IPC (colocated on GPU) a view still referenced after the refit keeps the trainer's
-    bucket allocated: consume the iterator inside a function, or ``del`` the loop variable.
+    ``reload_weights``). Tensors split across buckets are yielded as owned tensors. In a live
+    colocated refit on CUDA, tensors are views into the trainer's own memory, valid until the
+    iterator ends. Colocated on CUDA, the iterator unmaps the trainer's memory when it ends:
+    a view used after that reads unmapped memory.
     """
 
     def __init__(self, spec: RefitSpec, device: torch.device, rank: int) -> None:
@@ -306,7 +333,7 @@ class RefitReceiver:
             self._begin()
             for i, bucket in enumerate(spec.plan.buckets):
                 buffer = self._wait_bucket(i)
-                yield from unpack_bucket(buffer, bucket, spec.plan, partial)
+                yield from unpack_bucket(buffer, bucket, spec.plan, partial, self._in_place())
                 self._done_bucket(i)
             completed = True
         finally:
@@ -321,6 +348,10 @@ class RefitReceiver:
 
     def _done_bucket(self, index: int) -> None:
         raise NotImplementedError
+
+    def _in_place(self) -> dict[int, torch.Tensor]:
+        """Tensors of the current bucket the sender shared in place, by tensor index."""
+        return {}
 
     def _end(self, completed: bool) -> None:
         raise NotImplementedError

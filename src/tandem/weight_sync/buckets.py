@@ -159,12 +159,22 @@ def piece_view(buffer: torch.Tensor, piece: Piece, meta: TensorMeta) -> torch.Te
 
 
 def unpack_bucket(
-    buffer: torch.Tensor, bucket: Bucket, plan: BucketPlan, partial: dict[int, torch.Tensor]
+    buffer: torch.Tensor,
+    bucket: Bucket,
+    plan: BucketPlan,
+    partial: dict[int, torch.Tensor],
+    in_place: dict[int, torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the tensors a bucket completes: views for whole tensors, assembled tensors (owned)
-    for split ones. ``partial`` carries split tensors from one bucket to the next."""
+    for split ones. ``partial`` carries split tensors from one bucket to the next.
+    ``in_place``: tensors the sender did not pack (read where they live), by tensor index;
+    each is yielded with its last piece."""
     for piece in bucket.pieces:
         meta = plan.tensors[piece.tensor_index]
+        if in_place and piece.tensor_index in in_place:
+            if piece.tensor_start + piece.num_bytes == piece.tensor_bytes:
+                yield meta.name, in_place[piece.tensor_index]
+            continue
         if piece.is_whole:
             yield meta.name, piece_view(buffer, piece, meta)
             continue

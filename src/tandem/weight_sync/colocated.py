@@ -13,11 +13,20 @@ interprocess CUDA event after its copies and the other side's stream waits for t
 before touching the slot. Neither process blocks its CPU on the GPU per bucket, so packing,
 signalling and the receiver's copies overlap. An event waited on is always recorded first: the
 store signal that names bucket ``i`` is set only after the record.
+
+A live stream on CUDA (``send(stream, live=True)``: the trainer's own parameters) is not
+packed at all: the ``ready`` signal of a bucket names, for each of its tensors, the allocator
+segment of the trainer it lives in and its offset, and carries the IPC handle of a segment the
+first time it is named. Receivers map each segment once per refit and copy the tensors straight
+out of the trainer's memory: one copy per byte instead of two (``cuda_ipc``). They map the
+bucket memory only once a bucket holds packed tensors (a tensor that is not contiguous, or not
+on the device), so a wholly live refit maps none.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import tempfile
@@ -28,7 +37,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.reductions import reduce_tensor
 
 from tandem.weight_sync.base import (
     NUM_SLOTS,
@@ -41,12 +49,10 @@ from tandem.weight_sync.base import (
     slot_layout,
     wait_signals,
 )
-from tandem.weight_sync.buckets import BucketPlan
+from tandem.weight_sync.buckets import BucketPlan, Piece
+from tandem.weight_sync.cuda_ipc import CudaIpcError, SegmentTable, close_segment, open_segment
 
 logger = logging.getLogger(__name__)
-
-_DEVICE_ARG = 6
-"""Position of ``storage_device`` in the arguments of torch's ``rebuild_cuda_tensor``."""
 
 
 def _key(refit_id: int, *parts: object) -> str:
@@ -86,6 +92,8 @@ class ColocatedSender(RefitSender):
         self._attached = False
         self._packed: list[Any] = []  # per slot: event recorded when the slot is packed (CUDA)
         self._consumed: list[list[Any]] = []  # per receiver, per slot: its copies' event (CUDA)
+        self._segments = SegmentTable(device)  # where live tensors are (CUDA)
+        self._shared: dict[str, Any] = {}  # of the bucket being packed: what _publish announces
 
     def _make_spec(self, refit_id: int, plan: BucketPlan) -> RefitSpec:
         # Both slots in one allocation (one file, one IPC handle to open), each only as large as
@@ -104,9 +112,13 @@ class ColocatedSender(RefitSender):
             weakref.finalize(self, _unlink_all, list(self._paths))
         else:
             whole = torch.empty(size * num_slots, dtype=torch.uint8, device=self.device)
-            # One handle per receiver: each consumer holds its own IPC reference.
-            handles = tuple(reduce_tensor(whole) for _ in range(self.num_receivers))
             self._packed = [torch.cuda.Event(interprocess=True) for _ in range(num_slots)]
+            self._segments = SegmentTable(self.device)
+            handles = ()
+            if whole.numel():  # the buckets' segment, shared like the segments of live tensors
+                segment, offset, _ = self._segments.locate(whole.data_ptr())
+                found = self._segments.by_id[segment]
+                handles = (segment, found.handle.hex(), found.size, offset)
         self._buffers = _slots(whole, size, num_slots)
         return RefitSpec(
             refit_id=refit_id,
@@ -152,10 +164,29 @@ class ColocatedSender(RefitSender):
     def _buffer(self, slot: int) -> torch.Tensor:
         return self._buffers[slot]
 
+    def _share(self, index: int, piece: Piece, tensor: torch.Tensor) -> bool:
+        if self.device.type != "cuda" or not tensor.is_cuda or not tensor.is_contiguous():
+            return False
+        device_index = self.device.index
+        if device_index is None:
+            device_index = torch.cuda.current_device()
+        if tensor.get_device() != device_index:
+            return False
+        # A segment may also hold the buckets: opening it twice is fine (the driver counts).
+        segment, offset, new = self._segments.locate(tensor.data_ptr())
+        if new:
+            found = self._segments.by_id[segment]
+            self._shared.setdefault("segments", {})[segment] = [found.handle.hex(), found.size]
+        self._shared.setdefault("tensors", {})[piece.tensor_index] = [segment, offset]
+        return True
+
     def _publish(self, spec: RefitSpec, index: int, slot: int, num_bytes: int) -> None:
         if self.device.type == "cuda":
+            # also orders the receivers' reads of live tensors after the trainer's last writes
             self._packed[slot].record(torch.cuda.current_stream(self.device))
-        self._store.set(_key(spec.refit_id, "ready", index), "1")
+        value = json.dumps(self._shared) if self._shared else "1"
+        self._shared = {}
+        self._store.set(_key(spec.refit_id, "ready", index), value)
 
     def _wait_slot(self, spec: RefitSpec, index: int) -> None:
         self._attach(spec)
@@ -187,19 +218,11 @@ class ColocatedSender(RefitSender):
     def _release(self, spec: RefitSpec) -> None:
         self._buffers.clear()
         self._packed, self._consumed = [], []
+        self._segments, self._shared = SegmentTable(self.device), {}
         _unlink_all(self._paths)
         self._paths.clear()
         if self.device.type == "cuda":
-            torch.cuda.ipc_collect()  # frees blocks the receivers no longer reference
             torch.cuda.empty_cache()
-
-
-def _open_ipc(handle: Any, device: torch.device) -> torch.Tensor:
-    rebuild, args = handle
-    args = list(args)
-    # The trainer's device index means nothing here (CUDA_VISIBLE_DEVICES differs per actor).
-    args[_DEVICE_ARG] = device.index if device.index is not None else torch.cuda.current_device()
-    return rebuild(*args)
 
 
 class ColocatedReceiver(RefitReceiver):
@@ -213,25 +236,73 @@ class ColocatedReceiver(RefitReceiver):
                 f"receiver is on {self.device}; use the trainer's device type or transport=split"
             )
         self._store: dist.TCPStore = connect_store(spec.store_host, spec.store_port, spec.timeout_s)
-        size, num_slots = slot_layout(spec.plan)
+        self._buffers: list[torch.Tensor] = []
+        self._known: dict[int, tuple[str, int]] = {}  # the trainer's segments: handle, size
+        self._mapped: dict[int, tuple[int, torch.Tensor]] = {}  # those opened: pointer, bytes
+        self._views: dict[int, torch.Tensor] = {}  # live tensors of the current bucket
+        self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # segments as a dtype
         if spec.device_type == "cpu":
             (path,) = spec.buffers
-            whole = torch.from_file(path, True, size * num_slots, dtype=torch.uint8)
+            self._map_buffers(path)  # from_file: cheap, and the sender unlinks it once attached
             attached = "1"
-        else:
-            whole = _open_ipc(spec.buffers[self.rank - 1], self.device)
+        else:  # the buckets are mapped when a bucket is packed: a live refit may need none
+            if spec.buffers:
+                segment, handle, segment_bytes, _ = spec.buffers
+                self._known[segment] = (handle, segment_bytes)
             self._packed = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in spec.events]
             self._consumed = [torch.cuda.Event(interprocess=True) for _ in spec.events]
             attached = ",".join(event.ipc_handle().hex() for event in self._consumed)
-        self._buffers = _slots(whole, size, num_slots)
         self._store.set(_key(spec.refit_id, "attached", self.rank), attached)
+
+    def _map_buffers(self, path: str | None = None) -> None:
+        size, num_slots = slot_layout(self.spec.plan)
+        if path is not None:
+            whole = torch.from_file(path, True, size * num_slots, dtype=torch.uint8)
+        else:
+            segment, _, _, offset = self.spec.buffers
+            whole = self._segment(segment)[offset : offset + size * num_slots]
+        self._buffers = _slots(whole, size, num_slots)
+
+    def _segment(self, segment: int) -> torch.Tensor:
+        """The bytes of one of the trainer's segments, mapped on first use."""
+        if segment not in self._mapped:
+            handle, size = self._known[segment]
+            self._mapped[segment] = open_segment(bytes.fromhex(handle), size, self.device)
+        return self._mapped[segment][1]
 
     def _wait_bucket(self, index: int) -> torch.Tensor:
         key = _key(self.spec.refit_id, "ready", index)
-        wait_signals(self._store, [key], self.spec.timeout_s, f"the trainer to pack bucket {index}")
+        what = f"the trainer to pack bucket {index}"
+        (value,) = wait_signals(self._store, [key], self.spec.timeout_s, what)
         if self.device.type == "cuda":  # consumers copy on the current stream, after the packing
             torch.cuda.current_stream(self.device).wait_event(self._packed[index % NUM_SLOTS])
+        self._views = {} if value == b"1" else self._live_views(json.loads(value))
+        if all(piece.tensor_index in self._views for piece in self.spec.plan.buckets[index].pieces):
+            return torch.empty(0, dtype=torch.uint8, device=self.device)  # nothing packed
+        if not self._buffers:
+            self._map_buffers()
         return self._buffers[index % NUM_SLOTS]
+
+    def _live_views(self, shared: dict[str, Any]) -> dict[int, torch.Tensor]:
+        """Views into the trainer's segments of the live tensors a bucket names."""
+        for segment, (handle, size) in shared.get("segments", {}).items():
+            self._known[int(segment)] = (handle, size)
+        views = {}
+        for index, (segment, offset) in shared["tensors"].items():
+            meta = self.spec.plan.tensors[int(index)]
+            typed = self._typed.get((segment, meta.dtype))
+            if typed is None:  # one view per segment and dtype; a tensor is then one as_strided
+                raw = self._segment(segment)
+                typed = raw[: raw.numel() - raw.numel() % meta.dtype.itemsize].view(meta.dtype)
+                self._typed[(segment, meta.dtype)] = typed
+            strides = [1] * len(meta.shape)
+            for dim in range(len(meta.shape) - 2, -1, -1):
+                strides[dim] = strides[dim + 1] * meta.shape[dim + 1]
+            views[int(index)] = typed.as_strided(meta.shape, strides, offset // meta.dtype.itemsize)
+        return views
+
+    def _in_place(self) -> dict[int, torch.Tensor]:
+        return self._views
 
     def _done_bucket(self, index: int) -> None:
         if self.device.type == "cuda":  # the consumers' copies of this slot are enqueued
@@ -242,6 +313,13 @@ class ColocatedReceiver(RefitReceiver):
         self._buffers, self._packed, self._consumed = [], [], []
         if self.device.type == "cuda":  # every copy out of the trainer's buffers has finished
             torch.cuda.synchronize(self.device)
+        self._views, self._typed = {}, {}
+        for ptr, _ in getattr(self, "_mapped", {}).values():
+            try:  # before "released": the trainer may free the memory after it
+                close_segment(ptr, self.device)
+            except CudaIpcError as error:
+                logger.warning("refit %d: %s", self.spec.refit_id, error)
+        self._mapped = {}
         if not hasattr(self, "_store"):
             return
         spec = self.spec
