@@ -130,13 +130,18 @@ def _check_refit_and_offload(model_dir: Path, setup: str, specs: Any, results: A
     torch.cuda.reset_peak_memory_stats()
     spec = sender.prepare(metadata)
     specs.put(spec)
-    stats = sender.send(trainer.iter_weights(torch.bfloat16))
+    # One rank, onloaded: iter_weights() yields the parameters themselves. plain streams them
+    # as they are (bf16), read in place; fsdp casts its fp32 masters to bf16: new tensors.
+    assert trainer.streams_live_weights
+    live = setup == "plain"
+    stats = sender.send(trainer.iter_weights(torch.bfloat16), live=live)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     received = results.get(timeout=90)
     sender.close()
 
     assert stats.num_buckets == len(spec.plan.buckets) > 4
+    assert (stats.in_place_bytes > 0) == live, stats
     assert set(expected) <= set(received)
     for name, tensor in expected.items():
         assert torch.equal(received[name], tensor), name

@@ -55,6 +55,7 @@ def _rank(rank: int, world_size: int, model_dir: str, out: str) -> None:
     result["first"] = trainer.train(shard, token_nll)
     result["second"] = trainer.train(shard, token_nll)
     result["weights"] = dict(trainer.iter_weights())
+    result["live"] = trainer.streams_live_weights  # gathers: a refit must pack them
     trainer.save_checkpoint(Path(out) / "ckpt", extra={"data_position": 14})
     try:  # rank 1 gets no rows: every rank must raise rather than hang in a collective
         trainer.train(shard.select(slice(0, 1 - rank)), token_nll)
@@ -96,6 +97,7 @@ def test_two_ranks_train_like_one(two_ranks: Path, one_rank: dict[str, Any]) -> 
             assert rank0[step][key] == pytest.approx(one_rank[step][key], rel=1e-5), key
             assert rank1[step][key] == rank0[step][key], key  # every rank reports global sums
     assert rank1["weights"] == {}  # only rank 0 yields
+    assert not rank0["live"] and not rank1["live"]
     assert rank0["weights"].keys() == one_rank["weights"].keys()
     assert "lm_head.weight" not in rank0["weights"]  # tied: loaders re-tie it
     for name, tensor in one_rank["weights"].items():
@@ -179,7 +181,10 @@ def _one_rank_weights(rank: int, world_size: int, model_dir: str, out: str) -> N
             for name, t in streamed.items()
         ),
         "names": sorted(streamed),
+        "live": trainer.streams_live_weights,
     }
+    move_state(trainer.model, trainer.optimizer, torch.device("meta"))  # as if offloaded
+    result["live_when_offloaded"] = trainer.streams_live_weights
     torch.save(result, Path(out) / "one_rank_weights.pt")
 
 
@@ -189,4 +194,5 @@ def test_one_rank_fsdp_streams_its_shards_without_a_gather(model_dir: Path, tmp_
     assert result["sharded"]
     assert result["no_copy"]
     assert result["equal_to_gather"]
+    assert result["live"] and not result["live_when_offloaded"]
     assert "model.embed_tokens.weight" in result["names"]

@@ -93,7 +93,9 @@ class TrainerWorker:
             for _ in stream:  # other ranks take part in the gathers only
                 pass
             return {}
-        return self._sender.send(stream).as_dict()
+        # FP8 quantisation makes new tensors; only the parameters themselves are live
+        live = self.policy.streams_live_weights and self.generation.precision != "fp8"
+        return self._sender.send(stream, live=live).as_dict()
 
     def save_checkpoint(self, path: str) -> None:
         self.policy.save_checkpoint(Path(path))

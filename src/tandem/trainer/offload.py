@@ -158,7 +158,7 @@ def _host_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> i
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cpu")
 
 
-def _reserve(device: torch.device, num_bytes: int) -> None:
+def reserve_segment(device: torch.device, num_bytes: int) -> None:
     """Grow the caching allocator by one segment of ``num_bytes``; later allocations split it."""
     if num_bytes > 0:
         block = torch.empty(num_bytes, dtype=torch.uint8, device=device)
@@ -192,7 +192,7 @@ def move_state(
         move_buffers(module, device)
     else:
         if device.type == "cuda":
-            _reserve(device, _host_bytes(module, optimizer))
+            reserve_segment(device, _host_bytes(module, optimizer))
         move_module(module, device)
         if optimizer is not None:
             move_optimizer(optimizer, device)

@@ -221,6 +221,16 @@ class PolicyTrainer:
         communication, the same on every rank."""
         return [(name, tuple(t.shape), dtype or t.dtype) for name, t in hf_state(self.lm)]
 
+    @property
+    def streams_live_weights(self) -> bool:
+        """Whether ``iter_weights()`` yields the live parameters themselves: one rank, no CPU
+        offload policy, and not offloaded now (else it yields copies on the device). They stay
+        valid until the next step or offload, so a refit may read them in place."""
+        if self.world_size != 1 or self.config.cpu_offload:
+            return False
+        param = next(self.lm.parameters(), None)
+        return param is not None and getattr(param, "_local_tensor", param).device == self.device
+
     def iter_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full weights in Hugging Face names, one tensor at a time, on this rank's device.
         Under FSDP2 each gather is a collective: every rank iterates to the end, only rank 0

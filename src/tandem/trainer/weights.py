@@ -25,7 +25,11 @@ def hf_state(lm: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 def full_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The whole tensor (a collective for a DTensor) on ``device``. A shard kept on the host by
-    CPUOffloadPolicy is gathered on ``device`` so NCCL can carry it."""
+    CPUOffloadPolicy is gathered on ``device`` so NCCL can carry it. On a one-rank mesh the
+    local shard is the whole tensor: it is returned itself when it is on ``device`` (a refit
+    may then read it in place), as a plain parameter is."""
+    if isinstance(tensor, DTensor) and tensor.device_mesh.size() == 1:
+        tensor = tensor._local_tensor
     if not isinstance(tensor, DTensor):
         return tensor.detach().to(device)
     if tensor._local_tensor.device != device:
