@@ -5,7 +5,9 @@ shapes from a ``Qwen2Config`` on the meta device; nothing touches disk). A recei
 spawned process copies every tensor into parameters it preallocated on the same GPU, as a
 generator's ``load_weights`` does, and returns a checksum. The ceiling is ``dst.copy_(src)`` of
 the same tensors in one process (payload bytes / s); a colocated refit copies every byte twice
-(pack into the bucket, then the receiver's copy), so its ideal is about half of it.
+(pack into the bucket, then the receiver's copy), so its ideal is about half of it. A live
+refit (``send(..., live=True)``, the trainer's own parameters) is read in place: one copy.
+The sender's tensors are laid out as a trainer's after ``onload()`` (one reserved segment).
 
     PYTHONPATH=src python bench/refit_gpu.py [--models 1.5b 8b] [--buckets-mib 64 512 1024 2048]
 """
@@ -21,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 from ceilings import QWEN_1P5B, QWEN_8B, emit, measure_ceilings, qwen2_config
 
+from tandem.trainer.offload import reserve_segment
 from tandem.weight_sync import TensorMeta, make_receiver, make_sender
 
 SHAPES = {"1.5b": QWEN_1P5B, "8b": QWEN_8B}
@@ -78,19 +81,22 @@ def bench_model(
     label: str, buckets_mib: list[int], specs: Any, results: Any, bulk_payload_gb_s: float
 ) -> None:
     metas = metadata(SHAPES[label])
+    # Laid out as a trainer's tensors after onload(): carved from one reserved segment.
+    reserve_segment(torch.device("cuda"), sum(m.num_bytes for m in metas))
     state = {m.name: torch.randn(m.shape, device="cuda", dtype=m.dtype) for m in metas}
     expected = checksum(state.values())
     ceiling = copy_ceiling(state)
     num_bytes = sum(m.num_bytes for m in metas)
     emit({"figure": "device_copy_payload_gb_s", "model": label, "value": round(ceiling, 1)})
-    for mib in buckets_mib:
+    runs_of = [(mib, False) for mib in buckets_mib] + [(m, True) for m in buckets_mib if m >= 512]
+    for mib, live in runs_of:
         config = SimpleNamespace(transport="colocated", bucket_bytes=mib * 2**20)
         sender = make_sender(config, "cuda:0", timeout_s=300)  # type: ignore[arg-type]
         runs = []
         for _ in range(3):  # the first also opens the IPC handles and warms the allocator
             spec = sender.prepare(metas)
             specs.put((metas, spec))
-            runs.append(sender.send(iter(state.items())))
+            runs.append(sender.send(iter(state.items()), live=live))
             got = results.get(timeout=300)
             assert got == expected, f"receiver checksum {got} != {expected}"
         sender.close()
@@ -99,6 +105,8 @@ def bench_model(
             {
                 "figure": "refit_gb_s",
                 "model": label,
+                "live": live,
+                "in_place": round(best.in_place_bytes / num_bytes, 3),
                 "gb": round(num_bytes / 1e9, 2),
                 "bucket_mib": mib,
                 "num_buckets": best.num_buckets,
