@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -102,3 +105,20 @@ def test_colocated_live_tensors_are_read_in_place() -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL split needs two GPUs")
 def test_split_nccl_two_gpus() -> None:
     _run("split", "cuda:0", "cuda:1")
+
+
+def test_colocated_names_expandable_segments_when_it_cannot_share_its_buckets() -> None:
+    """Memory from expandable segments cannot go through CUDA IPC handles: prepare() says which
+    setting to unset instead of failing inside the driver. (The setting is read once per
+    process, hence the subprocess.)"""
+    code = (
+        "import torch; from types import SimpleNamespace\n"
+        "from tandem.weight_sync import make_sender\n"
+        "config = SimpleNamespace(transport='colocated', bucket_bytes=2**20)\n"
+        "sender = make_sender(config, 'cuda:0', timeout_s=10)\n"
+        "sender.prepare([('w', (1024, 1024), torch.float32)])\n"
+    )
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "CudaIpcError" in done.stderr and "expandable_segments:True" in done.stderr, done.stderr

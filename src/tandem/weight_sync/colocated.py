@@ -14,18 +14,19 @@ before touching the slot. Neither process blocks its CPU on the GPU per bucket, 
 signalling and the receiver's copies overlap. An event waited on is always recorded first: the
 store signal that names bucket ``i`` is set only after the record.
 
-A live stream on CUDA (``send(stream, live=True)``: the trainer's own parameters) is not
-packed at all: the ``ready`` signal of a bucket names, for each of its tensors, the allocator
+A live stream on CUDA (``send(stream, live=True)``: the trainer's own parameters) is mostly
+not packed: the ``ready`` signal of a bucket names, for each of its tensors, the allocator
 segment of the trainer it lives in and its offset, and carries the IPC handle of a segment the
 first time it is named. Receivers map each segment once per refit and copy the tensors straight
-out of the trainer's memory: one copy per byte instead of two (``cuda_ipc``). They map the
-bucket memory only once a bucket holds packed tensors (a tensor that is not contiguous, or not
-on the device), so a wholly live refit maps none.
+out of the trainer's memory: one copy per byte instead of two (``cuda_ipc``). Still packed: a
+tensor that is not contiguous, not on the device, or in memory CUDA IPC cannot share.
+Receivers map the bucket memory only once a bucket holds packed tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -65,6 +66,14 @@ def _shm_dir() -> str:
 
 def _slots(whole: torch.Tensor, size: int, num_slots: int) -> list[torch.Tensor]:
     return [whole[i * size : (i + 1) * size] for i in range(num_slots)]
+
+
+@functools.cache
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = [1] * len(shape)
+    for dim in range(len(shape) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * shape[dim + 1]
+    return tuple(strides)
 
 
 def _unlink_all(paths: list[str]) -> None:
@@ -116,7 +125,15 @@ class ColocatedSender(RefitSender):
             self._segments = SegmentTable(self.device)
             handles = ()
             if whole.numel():  # the buckets' segment, shared like the segments of live tensors
-                segment, offset, _ = self._segments.locate(whole.data_ptr())
+                try:
+                    segment, offset, _ = self._segments.locate(whole.data_ptr())
+                except CudaIpcError as error:
+                    raise CudaIpcError(
+                        f"colocated refit cannot share its bucket memory with the generators: "
+                        f"{error}. CUDA IPC shares cudaMalloc'd memory only; unset "
+                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the trainer's "
+                        "environment"
+                    ) from error
                 found = self._segments.by_id[segment]
                 handles = (segment, found.handle.hex(), found.size, offset)
         self._buffers = _slots(whole, size, num_slots)
@@ -173,7 +190,10 @@ class ColocatedSender(RefitSender):
         if tensor.get_device() != device_index:
             return False
         # A segment may also hold the buckets: opening it twice is fine (the driver counts).
-        segment, offset, new = self._segments.locate(tensor.data_ptr())
+        try:
+            segment, offset, new = self._segments.locate(tensor.data_ptr())
+        except CudaIpcError:  # memory CUDA IPC cannot share (expandable segments): pack it
+            return False
         if new:
             found = self._segments.by_id[segment]
             self._shared.setdefault("segments", {})[segment] = [found.handle.hex(), found.size]
@@ -295,9 +315,7 @@ class ColocatedReceiver(RefitReceiver):
                 raw = self._segment(segment)
                 typed = raw[: raw.numel() - raw.numel() % meta.dtype.itemsize].view(meta.dtype)
                 self._typed[(segment, meta.dtype)] = typed
-            strides = [1] * len(meta.shape)
-            for dim in range(len(meta.shape) - 2, -1, -1):
-                strides[dim] = strides[dim + 1] * meta.shape[dim + 1]
+            strides = _contiguous_strides(meta.shape)
             views[int(index)] = typed.as_strided(meta.shape, strides, offset // meta.dtype.itemsize)
         return views
 
