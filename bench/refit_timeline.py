@@ -1,0 +1,131 @@
+"""Where one live colocated refit on a GPU spends its time, on both sides of the transport.
+
+Wraps the colocated sender's and receiver's steps with timers (both processes read the same
+monotonic clock) and prints, per refit, the summed phases and the merged timeline in ms from
+the start of ``send()``: ``S`` the trainer's side, ``R`` the generator's. Diagnostic only: the
+timers cost a few µs each, so totals are a little above ``bench/refit_gpu.py``'s.
+
+    PYTHONPATH=src:bench python bench/refit_timeline.py [--model 1.5b] [--bucket-mib 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from ceilings import emit
+from refit_gpu import SHAPES, metadata
+
+from tandem.trainer.offload import reserve_segment
+from tandem.weight_sync import colocated, make_receiver, make_sender
+
+SPANS: list[tuple[str, float, float]] = []
+SENDER_STEPS = ("_attach", "_publish", "_wait_slot", "_end", "_release")
+RECEIVER_STEPS = ("_wait_bucket", "_live_views", "_map_buffers", "_done_bucket", "_end")
+
+
+def timed(owner: Any, name: str) -> None:
+    """Record a span for every call of ``owner.name``."""
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            SPANS.append((name.lstrip("_"), start, time.perf_counter()))
+
+    setattr(owner, name, wrapper)
+
+
+def _receiver(specs: Any, results: Any) -> None:
+    torch.cuda.set_device(0)
+    for name in RECEIVER_STEPS:
+        timed(colocated.ColocatedReceiver, name)
+    for name in ("open_segment", "close_segment", "wait_signals"):
+        timed(colocated, name)
+    results.put("ready")
+    params: dict[str, torch.Tensor] = {}
+    while (message := specs.get()) is not None:
+        metas, spec = message
+        params = params or {
+            m.name: torch.empty(m.shape, dtype=m.dtype, device="cuda") for m in metas
+        }
+        SPANS.clear()
+        for name, tensor in make_receiver(spec, "cuda:0").iter_weights():
+            start = time.perf_counter()
+            params[name].copy_(tensor)
+            SPANS.append(("copy", start, time.perf_counter()))
+        results.put(list(SPANS))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="1.5b", choices=sorted(SHAPES))
+    parser.add_argument("--bucket-mib", type=int, default=1024)
+    parser.add_argument("--refits", type=int, default=3, help="after one warm-up refit")
+    args = parser.parse_args()
+    for name in SENDER_STEPS:
+        timed(colocated.ColocatedSender, name)
+    ctx = mp.get_context("spawn")
+    specs, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_receiver, args=(specs, results))
+    proc.start()
+    try:
+        assert results.get(timeout=120) == "ready"
+        metas = metadata(SHAPES[args.model])
+        reserve_segment(torch.device("cuda"), sum(m.num_bytes for m in metas))  # as after onload
+        state = {m.name: torch.randn(m.shape, device="cuda", dtype=m.dtype) for m in metas}
+        config = SimpleNamespace(transport="colocated", bucket_bytes=args.bucket_mib * 2**20)
+        sender = make_sender(config, "cuda:0", timeout_s=300)  # type: ignore[arg-type]
+        for refit in range(args.refits + 1):
+            torch.cuda.synchronize()
+            specs.put((metas, sender.prepare(metas)))
+            time.sleep(0.2)  # the receiver is waiting for bucket 0 before the clock starts
+            SPANS.clear()
+            start = time.perf_counter()
+            stats = sender.send(iter(state.items()), live=True)
+            spans = [("S " + n, a, b) for n, a, b in SPANS]
+            spans += [("R " + n, a, b) for n, a, b in results.get(timeout=300) if b > start]
+            if refit == 0:
+                continue
+            totals: dict[str, float] = collections.defaultdict(float)
+            counts: dict[str, int] = collections.defaultdict(int)
+            for name, a, b in spans:
+                totals[name] += (b - max(a, start)) * 1e3
+                counts[name] += 1
+            emit(
+                {
+                    "figure": "refit_timeline",
+                    "model": args.model,
+                    "bucket_mib": args.bucket_mib,
+                    "ms": round(stats.seconds * 1e3, 2),
+                    "gb_s": round(stats.gb_per_s, 1),
+                    "phases_ms": {k: round(v, 2) for k, v in sorted(totals.items())},
+                    "calls": dict(sorted(counts.items())),
+                }
+            )
+            steps = sorted((s for s in spans if s[0] != "R copy"), key=lambda s: s[1])
+            print(
+                json.dumps(
+                    [f"{n} {1e3 * (a - start):.2f}-{1e3 * (b - start):.2f}" for n, a, b in steps]
+                )
+            )
+        sender.close()
+    finally:
+        specs.put(None)
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+
+
+if __name__ == "__main__":
+    main()
