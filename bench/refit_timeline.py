@@ -5,7 +5,7 @@ monotonic clock) and prints, per refit, the summed phases and the merged timelin
 the start of ``send()``: ``S`` the trainer's side, ``R`` the generator's. Diagnostic only: the
 timers cost a few µs each, so totals are a little above ``bench/refit_gpu.py``'s.
 
-    PYTHONPATH=src:bench python bench/refit_timeline.py [--model 1.5b] [--bucket-mib 1024]
+    PYTHONPATH=src python bench/refit_timeline.py [--model 1.5b] [--bucket-mib 1024]
 """
 
 from __future__ import annotations
