@@ -15,7 +15,9 @@ The sender's tensors are laid out as a trainer's after ``onload()`` (one reserve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -60,6 +62,24 @@ def _receiver(specs: Any, results: Any) -> None:
             params[name].copy_(tensor)
         torch.cuda.synchronize()
         results.put(checksum(params[m.name] for m in metas))
+
+
+@contextlib.contextmanager
+def receiver_process(target: Callable[[Any, Any], None]) -> Iterator[tuple[Any, Any]]:
+    """A spawned receiver ``target(specs, results)`` that puts "ready" first, then answers each
+    message on ``specs`` until it gets None; yields the two queues."""
+    ctx = mp.get_context("spawn")
+    specs, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=target, args=(specs, results))
+    proc.start()
+    try:
+        assert results.get(timeout=120) == "ready"
+        yield specs, results
+    finally:
+        specs.put(None)
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
 
 
 def copy_ceiling(state: dict[str, torch.Tensor]) -> float:
@@ -131,19 +151,9 @@ def main() -> None:
     args = parser.parse_args()
     ceilings = measure_ceilings()
     emit({"figure": "d2d_copy_gb_s_read_plus_write", "value": round(ceilings["d2d_copy_gb_s"])})
-    ctx = mp.get_context("spawn")
-    specs, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_receiver, args=(specs, results))
-    proc.start()
-    try:
-        assert results.get(timeout=120) == "ready"
+    with receiver_process(_receiver) as (specs, results):
         for label in args.models:
             bench_model(label, args.buckets_mib, specs, results, ceilings["d2d_copy_gb_s"] / 2)
-    finally:
-        specs.put(None)
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
 
 
 if __name__ == "__main__":

@@ -19,9 +19,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 from ceilings import emit
-from refit_gpu import SHAPES, metadata
+from refit_gpu import SHAPES, metadata, receiver_process
 
 from tandem.trainer.offload import reserve_segment
 from tandem.weight_sync import colocated, make_receiver, make_sender
@@ -75,12 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     for name in SENDER_STEPS:
         timed(colocated.ColocatedSender, name)
-    ctx = mp.get_context("spawn")
-    specs, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_receiver, args=(specs, results))
-    proc.start()
-    try:
-        assert results.get(timeout=120) == "ready"
+    with receiver_process(_receiver) as (specs, results):
         metas = metadata(SHAPES[args.model])
         reserve_segment(torch.device("cuda"), sum(m.num_bytes for m in metas))  # as after onload
         state = {m.name: torch.randn(m.shape, device="cuda", dtype=m.dtype) for m in metas}
@@ -95,36 +89,31 @@ def main() -> None:
             stats = sender.send(iter(state.items()), live=True)
             spans = [("S " + n, a, b) for n, a, b in SPANS]
             spans += [("R " + n, a, b) for n, a, b in results.get(timeout=300) if b > start]
-            if refit == 0:
-                continue
-            totals: dict[str, float] = collections.defaultdict(float)
-            counts: dict[str, int] = collections.defaultdict(int)
-            for name, a, b in spans:
-                totals[name] += (b - max(a, start)) * 1e3
-                counts[name] += 1
-            emit(
-                {
-                    "figure": "refit_timeline",
-                    "model": args.model,
-                    "bucket_mib": args.bucket_mib,
-                    "ms": round(stats.seconds * 1e3, 2),
-                    "gb_s": round(stats.gb_per_s, 1),
-                    "phases_ms": {k: round(v, 2) for k, v in sorted(totals.items())},
-                    "calls": dict(sorted(counts.items())),
-                }
-            )
-            steps = sorted((s for s in spans if s[0] != "R copy"), key=lambda s: s[1])
-            print(
-                json.dumps(
-                    [f"{n} {1e3 * (a - start):.2f}-{1e3 * (b - start):.2f}" for n, a, b in steps]
-                )
-            )
+            if refit > 0:
+                report(args, stats, spans, start)
         sender.close()
-    finally:
-        specs.put(None)
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
+
+
+def report(args: argparse.Namespace, stats: Any, spans: list[Any], start: float) -> None:
+    """One JSON line of summed phases, then the steps in order (copies left out)."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    counts: dict[str, int] = collections.defaultdict(int)
+    for name, a, b in spans:
+        totals[name] += (b - max(a, start)) * 1e3
+        counts[name] += 1
+    emit(
+        {
+            "figure": "refit_timeline",
+            "model": args.model,
+            "bucket_mib": args.bucket_mib,
+            "ms": round(stats.seconds * 1e3, 2),
+            "gb_s": round(stats.gb_per_s, 1),
+            "phases_ms": {k: round(v, 2) for k, v in sorted(totals.items())},
+            "calls": dict(sorted(counts.items())),
+        }
+    )
+    steps = sorted((s for s in spans if s[0] != "R copy"), key=lambda s: s[1])
+    print(json.dumps([f"{n} {1e3 * (a - start):.2f}-{1e3 * (b - start):.2f}" for n, a, b in steps]))
 
 
 if __name__ == "__main__":
