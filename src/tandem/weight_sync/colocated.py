@@ -192,7 +192,7 @@ class ColocatedSender(RefitSender):
         # A segment may also hold the buckets: opening it twice is fine (the driver counts).
         try:
             segment, offset, new = self._segments.locate(tensor.data_ptr())
-        except CudaIpcError:  # memory CUDA IPC cannot share (expandable segments): pack it
+        except CudaIpcError:  # not cudaMalloc'd memory (another allocator): pack it
             return False
         if new:
             found = self._segments.by_id[segment]
