@@ -19,8 +19,9 @@ not packed: the ``ready`` signal of a bucket names, for each of its tensors, the
 segment of the trainer it lives in and its offset, and carries the IPC handle of a segment the
 first time it is named. Receivers map each segment once per refit and copy the tensors straight
 out of the trainer's memory: one copy per byte instead of two (``cuda_ipc``). Still packed: a
-tensor that is not contiguous, not on the device, or in memory CUDA IPC cannot share.
-Receivers map the bucket memory only once a bucket holds packed tensors.
+tensor that is not contiguous, not on the device, or in memory CUDA IPC cannot share. On CUDA
+the bucket memory is allocated (and announced in a ``ready`` signal, then mapped) only once a
+bucket holds a packed tensor: a refit read wholly in place allocates nothing.
 """
 
 from __future__ import annotations
@@ -103,12 +104,14 @@ class ColocatedSender(RefitSender):
         self._consumed: list[list[Any]] = []  # per receiver, per slot: its copies' event (CUDA)
         self._segments = SegmentTable(device)  # where live tensors are (CUDA)
         self._shared: dict[str, Any] = {}  # of the bucket being packed: what _publish announces
+        self._slot_layout = (0, 0)  # bytes of one slot, number of slots
 
     def _make_spec(self, refit_id: int, plan: BucketPlan) -> RefitSpec:
         # Both slots in one allocation (one file, one IPC handle to open), each only as large as
         # the largest bucket: a tiny model does not pin 2 x bucket_bytes.
         size, num_slots = slot_layout(plan)
-        handles: tuple[Any, ...]
+        self._slot_layout = (size, num_slots)
+        handles: tuple[Any, ...] = ()
         if self.device.type == "cpu":
             path = os.path.join(_shm_dir(), f"tandem-refit-{os.getpid()}-{uuid.uuid4().hex}")
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -119,24 +122,10 @@ class ColocatedSender(RefitSender):
             handles = (path,)
             # If send() never runs (or the process ends), the file still goes away.
             weakref.finalize(self, _unlink_all, list(self._paths))
-        else:
-            whole = torch.empty(size * num_slots, dtype=torch.uint8, device=self.device)
+            self._buffers = _slots(whole, size, num_slots)
+        else:  # the slots are allocated by the first packed piece (_buffer)
             self._packed = [torch.cuda.Event(interprocess=True) for _ in range(num_slots)]
             self._segments = SegmentTable(self.device)
-            handles = ()
-            if whole.numel():  # the buckets' segment, shared like the segments of live tensors
-                try:
-                    segment, offset, _ = self._segments.locate(whole.data_ptr())
-                except CudaIpcError as error:
-                    raise CudaIpcError(
-                        f"colocated refit cannot share its bucket memory with the generators: "
-                        f"{error}. CUDA IPC shares cudaMalloc'd memory only; unset "
-                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the trainer's "
-                        "environment"
-                    ) from error
-                found = self._segments.by_id[segment]
-                handles = (segment, found.handle.hex(), found.size, offset)
-        self._buffers = _slots(whole, size, num_slots)
         return RefitSpec(
             refit_id=refit_id,
             transport="colocated",
@@ -179,7 +168,29 @@ class ColocatedSender(RefitSender):
         self._attach_seconds += time.perf_counter() - start
 
     def _buffer(self, slot: int) -> torch.Tensor:
+        if not self._buffers:  # CUDA, first packed piece of this refit
+            size, num_slots = self._slot_layout
+            whole = torch.empty(size * num_slots, dtype=torch.uint8, device=self.device)
+            try:
+                segment, offset = self._announce(whole.data_ptr())
+            except CudaIpcError as error:
+                raise CudaIpcError(
+                    f"colocated refit cannot share its bucket memory with the generators: "
+                    f"{error}. CUDA IPC shares cudaMalloc'd memory only; unset "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the trainer's environment"
+                ) from error
+            self._shared["buffers"] = [segment, offset]
+            self._buffers = _slots(whole, size, num_slots)
         return self._buffers[slot]
+
+    def _announce(self, ptr: int) -> tuple[int, int]:
+        """(segment id, offset) of device memory at ``ptr``; the segment's IPC handle goes into
+        the next ``ready`` signal the first time it is named."""
+        segment, offset, new = self._segments.locate(ptr)
+        if new:
+            found = self._segments.by_id[segment]
+            self._shared.setdefault("segments", {})[segment] = [found.handle.hex(), found.size]
+        return segment, offset
 
     def _share(self, index: int, piece: Piece, tensor: torch.Tensor) -> bool:
         if self.device.type != "cuda" or not tensor.is_cuda or not tensor.is_contiguous():
@@ -191,12 +202,9 @@ class ColocatedSender(RefitSender):
             return False
         # A segment may also hold the buckets: opening it twice is fine (the driver counts).
         try:
-            segment, offset, new = self._segments.locate(tensor.data_ptr())
+            segment, offset = self._announce(tensor.data_ptr())
         except CudaIpcError:  # not cudaMalloc'd memory (another allocator): pack it
             return False
-        if new:
-            found = self._segments.by_id[segment]
-            self._shared.setdefault("segments", {})[segment] = [found.handle.hex(), found.size]
         self._shared.setdefault("tensors", {})[piece.tensor_index] = [segment, offset]
         return True
 
@@ -236,12 +244,13 @@ class ColocatedSender(RefitSender):
             set_signals(self._store, keys, abort_signal(message))
 
     def _release(self, spec: RefitSpec) -> None:
-        self._buffers.clear()
+        allocated = bool(self._buffers)
+        self._buffers = []
         self._packed, self._consumed = [], []
         self._segments, self._shared = SegmentTable(self.device), {}
         _unlink_all(self._paths)
         self._paths.clear()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and allocated:  # hand the slots' memory back
             torch.cuda.empty_cache()
 
 
@@ -257,6 +266,7 @@ class ColocatedReceiver(RefitReceiver):
             )
         self._store: dist.TCPStore = connect_store(spec.store_host, spec.store_port, spec.timeout_s)
         self._buffers: list[torch.Tensor] = []
+        self._slots_at: tuple[int, int] | None = None  # segment and offset of the slots (CUDA)
         self._known: dict[int, tuple[str, int]] = {}  # the trainer's segments: handle, size
         self._mapped: dict[int, tuple[int, torch.Tensor]] = {}  # those opened: pointer, bytes
         self._views: dict[int, torch.Tensor] = {}  # live tensors of the current bucket
@@ -265,10 +275,7 @@ class ColocatedReceiver(RefitReceiver):
             (path,) = spec.buffers
             self._map_buffers(path)  # from_file: cheap, and the sender unlinks it once attached
             attached = "1"
-        else:  # the buckets are mapped when a bucket is packed: a live refit may need none
-            if spec.buffers:
-                segment, handle, segment_bytes, _ = spec.buffers
-                self._known[segment] = (handle, segment_bytes)
+        else:  # the slots are announced and mapped when a bucket is packed
             self._packed = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in spec.events]
             self._consumed = [torch.cuda.Event(interprocess=True) for _ in spec.events]
             attached = ",".join(event.ipc_handle().hex() for event in self._consumed)
@@ -279,7 +286,8 @@ class ColocatedReceiver(RefitReceiver):
         if path is not None:
             whole = torch.from_file(path, True, size * num_slots, dtype=torch.uint8)
         else:
-            segment, _, _, offset = self.spec.buffers
+            assert self._slots_at is not None, "a packed bucket's ready signal names the slots"
+            segment, offset = self._slots_at
             whole = self._segment(segment)[offset : offset + size * num_slots]
         self._buffers = _slots(whole, size, num_slots)
 
@@ -296,19 +304,22 @@ class ColocatedReceiver(RefitReceiver):
         (value,) = wait_signals(self._store, [key], self.spec.timeout_s, what)
         if self.device.type == "cuda":  # consumers copy on the current stream, after the packing
             torch.cuda.current_stream(self.device).wait_event(self._packed[index % NUM_SLOTS])
-        self._views = {} if value == b"1" else self._live_views(json.loads(value))
+        shared = {} if value == b"1" else json.loads(value)
+        for segment, (handle, size) in shared.get("segments", {}).items():
+            self._known[int(segment)] = (handle, size)
+        if "buffers" in shared:
+            self._slots_at = tuple(shared["buffers"])  # type: ignore[assignment]
+        self._views = self._live_views(shared.get("tensors", {}))
         if all(piece.tensor_index in self._views for piece in self.spec.plan.buckets[index].pieces):
             return torch.empty(0, dtype=torch.uint8, device=self.device)  # nothing packed
         if not self._buffers:
             self._map_buffers()
         return self._buffers[index % NUM_SLOTS]
 
-    def _live_views(self, shared: dict[str, Any]) -> dict[int, torch.Tensor]:
+    def _live_views(self, tensors: dict[str, Any]) -> dict[int, torch.Tensor]:
         """Views into the trainer's segments of the live tensors a bucket names."""
-        for segment, (handle, size) in shared.get("segments", {}).items():
-            self._known[int(segment)] = (handle, size)
         views = {}
-        for index, (segment, offset) in shared["tensors"].items():
+        for index, (segment, offset) in tensors.items():
             meta = self.spec.plan.tensors[int(index)]
             typed = self._typed.get((segment, meta.dtype))
             if typed is None:  # one view per segment and dtype; a tensor is then one as_strided
