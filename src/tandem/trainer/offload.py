@@ -15,12 +15,13 @@ every shard alive on torch 2.11 + CUDA.)
 Host copies are pinned when CUDA is present so transfers run at bus bandwidth; the caching host
 allocator keeps the pinned blocks, so the second and later offloads do not pin again. Onload
 reserves the device memory it needs in one allocation first, so the per-tensor allocations that
-follow are carved from one cached segment instead of one ``cudaMalloc`` each.
+follow are carved from one cached segment instead of one ``cudaMalloc`` each; parameters too
+small for that segment are carved from one allocation of their own (``device_copies``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +36,36 @@ except ImportError:  # pragma: no cover - torch without distributed
     DTensor = FSDPModule = None  # type: ignore[assignment,misc]
 
 CPU = torch.device("cpu")
+
+
+SMALL_BYTES = 1 << 20
+"""The caching allocator serves requests under 1 MiB from 2 MiB segments of their own. Onload
+carves the parameters under it from one allocation instead, so a one-rank trainer's weights
+live in a handful of segments: what a live colocated refit maps (``weight_sync.cuda_ipc``)."""
+_CARVE_ALIGN = 512  # the caching allocator's rounding
+
+
+def device_copies(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Copies of ``tensors`` on ``device`` (non-blocking), laid out as ``onload()`` lays out
+    parameters: the contiguous ones under ``SMALL_BYTES`` are views of one allocation."""
+
+    def nbytes(tensor: torch.Tensor) -> int:
+        return tensor.numel() * tensor.element_size()
+
+    offsets, total = {}, 0
+    for i, tensor in enumerate(tensors):
+        if nbytes(tensor) < SMALL_BYTES and tensor.is_contiguous():
+            offsets[i], total = total, total + -(-nbytes(tensor) // _CARVE_ALIGN) * _CARVE_ALIGN
+    arena = torch.empty(total, dtype=torch.uint8, device=device) if offsets else None
+    copies = []
+    for i, tensor in enumerate(tensors):
+        if arena is not None and i in offsets:
+            raw = arena[offsets[i] : offsets[i] + nbytes(tensor)]
+            out = raw.view(tensor.dtype).view(tensor.shape)
+        else:
+            out = torch.empty_like(tensor, device=device)  # keeps the strides
+        copies.append(out.copy_(tensor, non_blocking=True))
+    return copies
 
 
 def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -75,25 +106,28 @@ def _fsdp_params(module: nn.Module) -> list[Any]:
     return found
 
 
-def _move_fsdp_param(fsdp_param: Any, device: torch.device) -> None:
-    """The padded shard moves; the parameter's local shard (same object) becomes its view."""
+def _move_fsdp_param(fsdp_param: Any, device: torch.device, moved: torch.Tensor | None) -> None:
+    """The padded shard moves (to ``moved`` when given); the parameter's local shard (same
+    object) becomes its view."""
     padded = fsdp_param._sharded_param_data
     if padded.device == device:
         return
-    moved = _moved(padded, device)
+    moved = _moved(padded, device) if moved is None else moved
     local = fsdp_param.sharded_param._local_tensor
     # FSDP2 shards dim 0, so the unpadded shard is a prefix of the flat padded data
     torch.utils.swap_tensors(local, moved[: local.numel()].view(local.shape))
     fsdp_param._sharded_param_data = moved
 
 
-def _move_parameter(param: nn.Parameter, device: torch.device) -> None:
+def _move_parameter(param: nn.Parameter, device: torch.device, moved: torch.Tensor | None) -> None:
+    """``param`` (its data becomes ``moved`` when given) and its gradient to ``device``."""
     grad = param.grad
     if DTensor is not None and isinstance(param, DTensor):
         _swap(param._local_tensor, device)  # a no-op for FSDP2 shards, moved with their FSDPParam
     elif param.device != device:
         param.grad = None  # the reference from .grad would block the swap
-        swapped = nn.Parameter(_moved(param.detach(), device), requires_grad=param.requires_grad)
+        data = _moved(param.detach(), device) if moved is None else moved
+        swapped = nn.Parameter(data, requires_grad=param.requires_grad)
         torch.utils.swap_tensors(param, swapped)
     if grad is not None:
         _swap(_local(grad), device)
@@ -121,10 +155,18 @@ def move_module(module: nn.Module, device: torch.device) -> None:
     if fsdp_params:
         reshard(module)  # a gathered module registers its unsharded parameters instead
     with torch.no_grad():
+        # The parameters' data, from FSDP2's padded shards or the parameters themselves.
+        sources: list[torch.Tensor] = [fp._sharded_param_data for fp in fsdp_params]
+        sources += [p for p in _parameters(module) if DTensor is None or not isinstance(p, DTensor)]
+        sources = [t for t in sources if t.device != device]
+        moved: dict[int, torch.Tensor] = {}
+        if device.type == "cuda":  # laid out in few segments (see SMALL_BYTES)
+            copies = device_copies([t.detach() for t in sources], device)
+            moved = {id(t): copy for t, copy in zip(sources, copies, strict=True)}
         for fsdp_param in fsdp_params:
-            _move_fsdp_param(fsdp_param, device)
+            _move_fsdp_param(fsdp_param, device, moved.get(id(fsdp_param._sharded_param_data)))
         for param in _parameters(module):
-            _move_parameter(param, device)
+            _move_parameter(param, device, moved.get(id(param)))
         move_buffers(module, device)
 
 
