@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tandem.weight_sync import make_receiver, make_sender, metadata_of
+from tandem.weight_sync import copy_tensors, make_receiver, make_sender, metadata_of
 from tandem.weight_sync.buckets import flat_bytes
 
 pytestmark = [
@@ -55,7 +55,13 @@ def _receiver_main(rank: int, device: str, specs: Any, results: Any) -> None:
     while (spec := specs.get()) is not None:
         expected = gpu_state_dict(spec.refit_id, device)
         params = {n: torch.zeros_like(t) for n, t in expected.items()}
-        _load(make_receiver(spec, device, rank).iter_weights(), params, device)
+        receiver = make_receiver(spec, device, rank)
+        if spec.refit_id == 1:
+            _load(receiver.iter_weights(), params, device)
+        else:  # as HfGenerator.receive_weights: one batched copy per bucket
+            for batch in receiver.iter_buckets():
+                copy_tensors([params[n] for n, _ in batch], [t for _, t in batch])
+            torch.cuda.synchronize()
         bad = [
             n for n, t in expected.items() if not torch.equal(flat_bytes(params[n]), flat_bytes(t))
         ]
@@ -108,15 +114,17 @@ def test_split_nccl_two_gpus() -> None:
 
 
 def test_colocated_names_expandable_segments_when_it_cannot_share_its_buckets() -> None:
-    """Memory from expandable segments cannot go through CUDA IPC handles: prepare() says which
-    setting to unset instead of failing inside the driver. (The setting is read once per
-    process, hence the subprocess.)"""
+    """Memory from expandable segments cannot go through CUDA IPC handles: send() says which
+    setting to unset (when it allocates the buckets, before any receiver is needed) instead of
+    failing inside the driver. (The setting is read once per process, hence the subprocess.)"""
     code = (
         "import torch; from types import SimpleNamespace\n"
         "from tandem.weight_sync import make_sender\n"
         "config = SimpleNamespace(transport='colocated', bucket_bytes=2**20)\n"
         "sender = make_sender(config, 'cuda:0', timeout_s=10)\n"
-        "sender.prepare([('w', (1024, 1024), torch.float32)])\n"
+        "w = torch.ones(512, 512, device='cuda')\n"
+        "sender.prepare([('w', (512, 512), torch.float32)])\n"
+        "sender.send(iter([('w', w)]), live=True)\n"
     )
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

@@ -1,11 +1,14 @@
+import threading
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tandem.assets import DEFAULT_MODEL_DIR
-from tandem.config.models import GenerationConfig, SamplingConfig
+from tandem.config.models import GenerationConfig, RefitConfig, SamplingConfig
 from tandem.generation import SamplingParams, group_rollouts, make_generator
 from tandem.generation.hf_generator import HfGenerator, filter_logits
+from tandem.weight_sync import make_sender, metadata_of
 
 PROMPTS = ["17+25=", "3-1=", "99+99="]
 
@@ -124,3 +127,25 @@ def test_sampling_params_from_config_and_validation() -> None:
     assert params.sample_seed(2, 3) == 0 + 2 * 8 + 3
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=0)
+
+
+def test_receive_weights_through_a_refit_copies_bucket_by_bucket(generator: HfGenerator) -> None:
+    """A colocated refit (a thread plays the trainer) lands in the model through batched copies
+    (``iter_buckets`` + ``copy_tensors``), bit-exact, over several buckets."""
+    original = load_file(str(DEFAULT_MODEL_DIR / "model.safetensors"))
+    original.pop("lm_head.weight", None)  # tied: loaders re-tie it to the embedding
+    torch.manual_seed(1)
+    perturbed = {k: v + 0.05 * torch.randn_like(v) for k, v in original.items()}
+    sender = make_sender(RefitConfig(transport="colocated", bucket_bytes=2**18), "cpu")
+    try:
+        for weights in (perturbed, original):
+            spec = sender.prepare(metadata_of(weights.items()))
+            assert len(spec.plan.buckets) > 3
+            trainer = threading.Thread(target=sender.send, args=(iter(weights.items()),))
+            trainer.start()
+            generator.receive_weights(spec)
+            trainer.join(timeout=60)
+            state = generator.model.state_dict()
+            assert all(torch.equal(state[name], t) for name, t in weights.items())
+    finally:
+        sender.close()

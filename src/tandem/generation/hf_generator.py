@@ -13,10 +13,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
+from tandem.weight_sync import copy_tensors, make_receiver
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,6 +30,21 @@ class _Sample:
     text: str = ""
     finish_reason: FinishReason = "length"
     done: bool = False
+
+
+def _target(state: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The model's tensor that ``(name, tensor)`` of a weight stream updates."""
+    if name not in state:
+        raise ValueError(
+            f"load_weights: {name!r} is not a parameter of the model "
+            f"(expected Hugging Face names such as {next(iter(state))!r})"
+        )
+    if state[name].shape != tensor.shape:
+        raise ValueError(
+            f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(state[name].shape)}"
+        )
+    return state[name]
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -181,18 +198,15 @@ class HfGenerator(Generator):
     def load_weights(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
         state = self.model.state_dict()
         for name, tensor in stream:
-            if name not in state:
-                raise ValueError(
-                    f"load_weights: {name!r} is not a parameter of the model "
-                    f"(expected Hugging Face names such as {next(iter(state))!r})"
-                )
-            if state[name].shape != tensor.shape:
-                raise ValueError(
-                    f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(state[name].shape)}"
-                )
-            state[name].copy_(tensor)
+            _target(state, name, tensor).copy_(tensor)
         # no prefix cache to reset: every generate call prefills from scratch
+
+    @torch.no_grad()
+    def receive_weights(self, spec: Any, first_rank: int = 1) -> None:
+        """As ``load_weights`` of the refit's stream, with one batched copy per bucket."""
+        state = self.model.state_dict()
+        for batch in make_receiver(spec, self.device, rank=first_rank).iter_buckets():
+            copy_tensors([_target(state, name, t) for name, t in batch], [t for _, t in batch])
 
     def shutdown(self) -> None:
         del self.model

@@ -6,6 +6,7 @@ spec = sender.prepare(metadata)                  # picklable RefitSpec
 sender.send(weight_stream)                       # concurrently with, in each generator worker:
 for name, tensor in make_receiver(spec, device, rank).iter_weights(): ...
 ```
+(``iter_buckets()`` yields the same tensors a bucket at a time, for batched copies.)
 The transport (``colocated`` or ``split``) is chosen here from the config; callers never branch
 on it. Nothing in this package imports vLLM or Ray.
 """
@@ -26,7 +27,7 @@ from tandem.weight_sync.base import (
     SendStats,
     metadata_of,
 )
-from tandem.weight_sync.buckets import BucketPlan, TensorMeta, plan_buckets
+from tandem.weight_sync.buckets import BucketPlan, TensorMeta, copy_tensors, plan_buckets
 from tandem.weight_sync.colocated import ColocatedReceiver, ColocatedSender
 from tandem.weight_sync.split import SplitReceiver, SplitSender
 
@@ -39,6 +40,7 @@ __all__ = [
     "SendStats",
     "TensorMeta",
     "bucket_bytes_for",
+    "copy_tensors",
     "make_receiver",
     "make_sender",
     "metadata_of",

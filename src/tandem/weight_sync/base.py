@@ -7,8 +7,9 @@ bucket order, the stream checks and the double buffering live here, once.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -49,8 +50,8 @@ class RefitSpec:
     num_receivers: int
     timeout_s: float
     buffers: tuple[Any, ...] = ()
-    """colocated: the memory holding every slot: its shared-memory path (cpu), or (cuda) the
-    allocator segment it lives in: (segment id, IPC handle hex, segment bytes, offset)."""
+    """colocated on the CPU: the shared-memory path of the memory holding every slot. (On CUDA
+    the slots are announced in the ``ready`` signal of the first bucket that packs a tensor.)"""
     events: tuple[bytes, ...] = ()
     """colocated on CUDA: per slot, the IPC handle of the event recorded when it is packed."""
     group_generation: int = 0
@@ -236,15 +237,16 @@ class RefitSender:
             cursor = _StreamCursor(spec.plan, weight_stream)
             for i, bucket in enumerate(buckets):
                 slot = i % NUM_SLOTS
-                if i >= NUM_SLOTS:
-                    self._wait_slot(spec, i - NUM_SLOTS)
-                buffer = self._buffer(slot)
+                free = i < NUM_SLOTS  # else the slot is free once bucket i - 2 is consumed
                 for piece in bucket.pieces:
                     tensor = cursor.tensor(piece.tensor_index)
                     if live and self._share(i, piece, tensor):
                         in_place += piece.num_bytes
-                    else:
-                        pack_piece(buffer, piece, tensor)
+                        continue
+                    if not free:  # only before packing: a bucket read in place waits for nothing
+                        self._wait_slot(spec, i - NUM_SLOTS)
+                        free = True
+                    pack_piece(self._buffer(slot), piece, tensor)
                 if i == len(buckets) - 1:
                     cursor.finish()  # before the last publish: receivers must not finish first
                 self._publish(spec, i, slot, bucket.used_bytes)
@@ -326,6 +328,14 @@ class RefitReceiver:
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Receive the refit bucket by bucket and yield its tensors (see the class docstring)."""
+        with contextlib.closing(self.iter_buckets()) as buckets:
+            for batch in buckets:
+                yield from batch
+
+    def iter_buckets(self) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
+        """The tensors of ``iter_weights()``, one list per bucket (those the bucket completes),
+        so that a consumer can batch its copies (``copy_tensors``). A list is valid until the
+        next one is requested, as the views of ``iter_weights()`` are."""
         spec = self.spec
         partial: dict[int, torch.Tensor] = {}
         completed = False
@@ -333,7 +343,7 @@ class RefitReceiver:
             self._begin()
             for i, bucket in enumerate(spec.plan.buckets):
                 buffer = self._wait_bucket(i)
-                yield from unpack_bucket(buffer, bucket, spec.plan, partial, self._in_place())
+                yield list(unpack_bucket(buffer, bucket, spec.plan, partial, self._in_place()))
                 self._done_bucket(i)
             completed = True
         finally:
