@@ -1,10 +1,11 @@
 """Where a colocated refit's time goes on one GPU: the pieces a transport is made of, timed alone.
 
-For the 8B shape (bf16 tensors on the GPU), in one process: one copy of every tensor (per tensor
-and batched with ``_foreach_copy_``), pack + unpack through two alternating 2 GiB slots (the two
-passes of a bucketed refit, without a second process), allocating and freeing the slots. Across
-two processes: sharing every tensor through CUDA IPC (sender cost), opening the handles, one
-copy of every tensor straight out of the trainer's memory, and closing them.
+For the 8B shape (bf16 tensors on the GPU), in one process: one copy of every tensor (per
+tensor, with ``_foreach_copy_``, with ``copy_tensors`` at three fused-size limits), pack +
+unpack through two alternating 2 GiB slots (the two passes of a bucketed refit, without a
+second process), allocating and freeing the slots. Across two processes: sharing every tensor
+through CUDA IPC (sender cost), opening the handles, one copy of every tensor straight out of
+the trainer's memory, and closing them.
 
     PYTHONPATH=src python bench/refit_breakdown.py [--model 8b] [--bucket-mib 2048]
 """
@@ -24,7 +25,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from tandem.weight_sync import plan_buckets
 from tandem.weight_sync.base import slot_layout
-from tandem.weight_sync.buckets import pack_piece, unpack_bucket
+from tandem.weight_sync.buckets import copy_tensors, pack_piece, unpack_bucket
 
 
 def timed(fn: Callable[[], Any], repeats: int = 3) -> float:
@@ -84,6 +85,9 @@ def main() -> None:
 
     figure("copy_per_tensor", timed(per_tensor), num_tensors=len(srcs))
     figure("copy_foreach", timed(lambda: torch._foreach_copy_(dsts, srcs)))
+    for limit_mib in (1, 4, 16):  # copy_tensors: fused up to the limit, one copy each above
+        seconds = timed(lambda limit=limit_mib * 2**20: copy_tensors(dsts, srcs, limit))
+        figure("copy_tensors", seconds, fused_max_mib=limit_mib)
     bulk = torch.empty(2, num_bytes, dtype=torch.uint8, device="cuda")
     figure("copy_bulk", timed(lambda: bulk[1].copy_(bulk[0])))
     bulk.untyped_storage().resize_(0)

@@ -1,13 +1,18 @@
 """Colocated refit (CUDA IPC, one GPU, two processes) vs device copy bandwidth.
 
 The sender streams random bf16 GPU tensors shaped like a Qwen2 1.5B / 8B model (names and
-shapes from a ``Qwen2Config`` on the meta device; nothing touches disk). A receiver in a
-spawned process copies every tensor into parameters it preallocated on the same GPU, as a
-generator's ``load_weights`` does, and returns a checksum. The ceiling is ``dst.copy_(src)`` of
-the same tensors in one process (payload bytes / s); a colocated refit copies every byte twice
-(pack into the bucket, then the receiver's copy), so its ideal is about half of it. A live
-refit (``send(..., live=True)``, the trainer's own parameters) is read in place: one copy.
-The sender's tensors are laid out as a trainer's after ``onload()`` (one reserved segment).
+shapes from a ``Qwen2Config`` on the meta device; nothing touches disk), laid out as a
+trainer's after ``onload()`` (``trainer_like_state``). A receiver in a spawned process copies
+every tensor into parameters it preallocated on the same GPU, as
+``HfGenerator.receive_weights`` does (one ``copy_tensors`` per bucket), and returns a checksum.
+
+The clock runs from ``send()`` until every byte has landed, with the receiver holding the spec
+(``spec_handoff_ms``: the queue that carries it here, a Ray call in tandem, is timed apart).
+The ceiling is the faster of two one-process copies of the same tensors into their own
+destinations (payload bytes / s): ``dst.copy_(src)`` per tensor, and ``copy_tensors`` of all of
+them. A packed refit copies every byte twice (into a bucket, then out of it), so its ideal is
+about half of that; a live one (``send(..., live=True)``, the trainer's own parameters) is read
+in place: one copy.
 
     PYTHONPATH=src python bench/refit_gpu.py [--models 1.5b 8b] [--buckets-mib 64 512 1024 2048]
 """
@@ -25,8 +30,8 @@ import torch
 import torch.multiprocessing as mp
 from ceilings import QWEN_1P5B, QWEN_8B, emit, measure_ceilings, qwen2_config
 
-from tandem.trainer.offload import reserve_segment
-from tandem.weight_sync import TensorMeta, make_receiver, make_sender
+from tandem.trainer.offload import device_copies, reserve_segment
+from tandem.weight_sync import TensorMeta, copy_tensors, make_receiver, make_sender
 
 SHAPES = {"1.5b": QWEN_1P5B, "8b": QWEN_8B}
 
@@ -44,6 +49,18 @@ def metadata(shape: dict[str, Any]) -> list[TensorMeta]:
     ]
 
 
+def trainer_like_state(metas: list[TensorMeta]) -> dict[str, torch.Tensor]:
+    """Random tensors on the GPU, laid out as a trainer's parameters after ``onload()``: carved
+    from one reserved segment, the small ones from one allocation (``device_copies``)."""
+    device = torch.device("cuda")
+    sources = [torch.randn(m.shape, device=device, dtype=m.dtype) for m in metas]
+    reserve_segment(device, sum(m.num_bytes for m in metas))
+    state = dict(zip([m.name for m in metas], device_copies(sources, device), strict=True))
+    del sources
+    torch.cuda.synchronize()
+    return state
+
+
 def checksum(tensors: Any) -> float:
     return float(sum(t.float().sum(dtype=torch.float64) for t in tensors))
 
@@ -58,8 +75,9 @@ def _receiver(specs: Any, results: Any) -> None:
             params = {}
             torch.cuda.empty_cache()
             params = {m.name: torch.zeros(m.shape, dtype=m.dtype, device="cuda") for m in metas}
-        for name, tensor in make_receiver(spec, "cuda:0").iter_weights():
-            params[name].copy_(tensor)
+        results.put("receiving")
+        for batch in make_receiver(spec, "cuda:0").iter_buckets():
+            copy_tensors([params[name] for name, _ in batch], [t for _, t in batch])
         torch.cuda.synchronize()
         results.put(checksum(params[m.name] for m in metas))
 
@@ -82,40 +100,62 @@ def receiver_process(target: Callable[[Any, Any], None]) -> Iterator[tuple[Any, 
             proc.kill()
 
 
-def copy_ceiling(state: dict[str, torch.Tensor]) -> float:
-    """Payload GB/s of copying every tensor into a preallocated twin (best of 3)."""
-    dsts = {n: torch.empty_like(t) for n, t in state.items()}
-    num_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    best = float("inf")
-    for _ in range(3):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for name, tensor in state.items():
-            dsts[name].copy_(tensor)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return num_bytes / best / 1e9
+def copy_ceiling(state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Payload GB/s of copying every tensor into a preallocated twin (best of 3), per tensor
+    and with ``copy_tensors``."""
+    srcs = list(state.values())
+    dsts = [torch.empty_like(t) for t in srcs]
+    num_bytes = sum(t.numel() * t.element_size() for t in srcs)
+
+    def per_tensor() -> None:
+        for dst, src in zip(dsts, srcs, strict=True):
+            dst.copy_(src)
+
+    gb_s = {}
+
+    def batched() -> None:
+        copy_tensors(dsts, srcs)
+
+    for name, fn in (("per_tensor", per_tensor), ("copy_tensors", batched)):
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        gb_s[name] = num_bytes / best / 1e9
+    return gb_s
 
 
 def bench_model(
     label: str, buckets_mib: list[int], specs: Any, results: Any, bulk_payload_gb_s: float
 ) -> None:
     metas = metadata(SHAPES[label])
-    # Laid out as a trainer's tensors after onload(): carved from one reserved segment.
-    reserve_segment(torch.device("cuda"), sum(m.num_bytes for m in metas))
-    state = {m.name: torch.randn(m.shape, device="cuda", dtype=m.dtype) for m in metas}
+    state = trainer_like_state(metas)
     expected = checksum(state.values())
-    ceiling = copy_ceiling(state)
+    ceilings = copy_ceiling(state)
+    ceiling = max(ceilings.values())
     num_bytes = sum(m.num_bytes for m in metas)
-    emit({"figure": "device_copy_payload_gb_s", "model": label, "value": round(ceiling, 1)})
+    emit(
+        {
+            "figure": "device_copy_payload_gb_s",
+            "model": label,
+            "value": round(ceiling, 1),
+            **{f"{k}_gb_s": round(v, 1) for k, v in ceilings.items()},
+        }
+    )
     runs_of = [(mib, False) for mib in buckets_mib] + [(m, True) for m in buckets_mib if m >= 512]
     for mib, live in runs_of:
         config = SimpleNamespace(transport="colocated", bucket_bytes=mib * 2**20)
         sender = make_sender(config, "cuda:0", timeout_s=300)  # type: ignore[arg-type]
-        runs = []
+        runs, handoffs = [], []
         for _ in range(3):  # the first also opens the IPC handles and warms the allocator
             spec = sender.prepare(metas)
+            start = time.perf_counter()
             specs.put((metas, spec))
+            assert results.get(timeout=300) == "receiving"
+            handoffs.append(time.perf_counter() - start)
             runs.append(sender.send(iter(state.items()), live=live))
             got = results.get(timeout=300)
             assert got == expected, f"receiver checksum {got} != {expected}"
@@ -135,8 +175,10 @@ def bench_model(
                 "attach_ms": round(best.attach_seconds * 1e3, 2),
                 "finish_ms": round(best.finish_seconds * 1e3, 2),
                 "first_refit_gb_s": round(runs[0].gb_per_s, 1),
+                "spec_handoff_ms": round(min(handoffs[1:]) * 1e3, 2),
                 "ceiling_device_copy_gb_s": round(ceiling, 1),
                 "ratio": round(best.gb_per_s / ceiling, 3),
+                "ratio_to_per_tensor_copy": round(best.gb_per_s / ceilings["per_tensor"], 3),
                 "ratio_to_bulk_copy": round(best.gb_per_s / bulk_payload_gb_s, 3),
             }
         )

@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 from ceilings import emit
-from refit_gpu import SHAPES, metadata, receiver_process
+from refit_gpu import SHAPES, metadata, receiver_process, trainer_like_state
 
-from tandem.trainer.offload import reserve_segment
-from tandem.weight_sync import colocated, make_receiver, make_sender
+from tandem.weight_sync import colocated, copy_tensors, make_receiver, make_sender
 
 SPANS: list[tuple[str, float, float]] = []
 SENDER_STEPS = ("_attach", "_publish", "_wait_slot", "_end", "_release")
@@ -59,9 +58,9 @@ def _receiver(specs: Any, results: Any) -> None:
             m.name: torch.empty(m.shape, dtype=m.dtype, device="cuda") for m in metas
         }
         SPANS.clear()
-        for name, tensor in make_receiver(spec, "cuda:0").iter_weights():
+        for batch in make_receiver(spec, "cuda:0").iter_buckets():
             start = time.perf_counter()
-            params[name].copy_(tensor)
+            copy_tensors([params[name] for name, _ in batch], [t for _, t in batch])
             SPANS.append(("copy", start, time.perf_counter()))
         results.put(list(SPANS))
 
@@ -76,8 +75,7 @@ def main() -> None:
         timed(colocated.ColocatedSender, name)
     with receiver_process(_receiver) as (specs, results):
         metas = metadata(SHAPES[args.model])
-        reserve_segment(torch.device("cuda"), sum(m.num_bytes for m in metas))  # as after onload
-        state = {m.name: torch.randn(m.shape, device="cuda", dtype=m.dtype) for m in metas}
+        state = trainer_like_state(metas)
         config = SimpleNamespace(transport="colocated", bucket_bytes=args.bucket_mib * 2**20)
         sender = make_sender(config, "cuda:0", timeout_s=300)  # type: ignore[arg-type]
         for refit in range(args.refits + 1):
