@@ -14,30 +14,17 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 from ceilings import emit
-from refit_gpu import SHAPES, metadata
+from refit_gpu import SHAPES, metadata, timed
 from torch.multiprocessing.reductions import reduce_tensor
 
 from tandem.weight_sync import plan_buckets
 from tandem.weight_sync.base import slot_layout
 from tandem.weight_sync.buckets import copy_tensors, pack_piece, unpack_bucket
-
-
-def timed(fn: Callable[[], Any], repeats: int = 3) -> float:
-    """Best wall seconds of ``fn`` (synchronized before and after)."""
-    best = float("inf")
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _child(handles: Any, shapes: Any, results: Any) -> None:

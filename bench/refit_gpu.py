@@ -100,6 +100,18 @@ def receiver_process(target: Callable[[Any, Any], None]) -> Iterator[tuple[Any, 
             proc.kill()
 
 
+def timed(fn: Callable[[], Any], repeats: int = 3) -> float:
+    """Best wall seconds of ``fn`` (synchronized before and after)."""
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def copy_ceiling(state: dict[str, torch.Tensor]) -> dict[str, float]:
     """Payload GB/s of copying every tensor into a preallocated twin (best of 3), per tensor
     and with ``copy_tensors``."""
@@ -111,21 +123,10 @@ def copy_ceiling(state: dict[str, torch.Tensor]) -> dict[str, float]:
         for dst, src in zip(dsts, srcs, strict=True):
             dst.copy_(src)
 
-    gb_s = {}
-
-    def batched() -> None:
-        copy_tensors(dsts, srcs)
-
-    for name, fn in (("per_tensor", per_tensor), ("copy_tensors", batched)):
-        best = float("inf")
-        for _ in range(3):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
-        gb_s[name] = num_bytes / best / 1e9
-    return gb_s
+    return {
+        "per_tensor": num_bytes / timed(per_tensor) / 1e9,
+        "copy_tensors": num_bytes / timed(lambda: copy_tensors(dsts, srcs)) / 1e9,
+    }
 
 
 def bench_model(
