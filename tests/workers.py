@@ -12,7 +12,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 class EchoWorker:
-    """Reports where it runs; adds; fails on request; all-reduces over gloo."""
+    """Reports where it runs; adds; fails or dies on request; all-reduces over gloo."""
 
     def __init__(self, scale: int = 1, rank: int = 0, world_size: int = 1, fail: bool = False):
         if fail:
@@ -39,6 +39,11 @@ class EchoWorker:
     def fail(self, message: str, only_rank: int | None = None) -> None:
         if only_rank is None or only_rank == self.rank:
             raise ValueError(message)
+
+    def exit(self, only_rank: int) -> None:
+        """The process dies mid-call, as on a segfault or the OOM killer."""
+        if only_rank == self.rank:
+            os._exit(1)
 
     def all_reduce(self, value: float) -> float:
         import torch
