@@ -8,7 +8,8 @@ from tandem.assets import DEFAULT_MODEL_DIR
 from tandem.config.models import GenerationConfig, RefitConfig, SamplingConfig
 from tandem.generation import SamplingParams, group_rollouts, make_generator
 from tandem.generation.hf_generator import HfGenerator, filter_logits
-from tandem.weight_sync import make_sender, metadata_of
+from tandem.weight_sync import make_receiver, make_sender, metadata_of
+from tandem.weight_sync.copies import coalesce
 
 PROMPTS = ["17+25=", "3-1=", "99+99="]
 
@@ -147,5 +148,19 @@ def test_receive_weights_through_a_refit_copies_bucket_by_bucket(generator: HfGe
             trainer.join(timeout=60)
             state = generator.model.state_dict()
             assert all(torch.equal(state[name], t) for name, t in weights.items())
+        # The model's parameters lie back to back in one allocation, as the tensors of a bucket
+        # do: streamed in the model's order (a trainer's), each bucket is one copy.
+        named = dict(generator.model.named_parameters())
+        assert len({p.untyped_storage().data_ptr() for p in named.values()}) == 1
+        ordered = {name: original[name] for name in named}
+        spec = sender.prepare(metadata_of(ordered.items()))
+        trainer = threading.Thread(target=sender.send, args=(iter(ordered.items()),))
+        trainer.start()
+        pairs = runs = 0
+        for batch in make_receiver(spec, "cpu").iter_buckets():
+            dsts = [state[name] for name, _ in batch]
+            pairs, runs = pairs + len(batch), runs + len(coalesce(dsts, [t for _, t in batch]))
+        trainer.join(timeout=60)
+        assert pairs == len(original) and runs == len(spec.plan.buckets) < pairs // 2
     finally:
         sender.close()

@@ -12,7 +12,7 @@ import torch
 from test_trainer_support import make_batch, policy, token_nll, write_tiny_qwen2
 
 from tandem.trainer import PolicyTrainer
-from tandem.trainer.offload import SMALL_BYTES, device_copies, move_state
+from tandem.trainer.offload import move_state
 
 
 @pytest.fixture(scope="module")
@@ -65,25 +65,3 @@ def test_offload_and_onload_between_steps_change_nothing(model_dir: Path) -> Non
     assert cycled.lm.model.layers[0].self_attn.q_proj.weight is weight
     for (name, x), (_, y) in zip(straight.iter_weights(), cycled.iter_weights(), strict=True):
         assert torch.equal(x, y), name
-
-
-def test_device_copies_carve_small_contiguous_tensors_from_one_allocation() -> None:
-    """What onload does on a GPU, on the CPU: equal copies; the small contiguous ones share one
-    storage (one allocation), a large or a strided one gets its own (strides kept)."""
-    gen = torch.Generator().manual_seed(0)
-    large = SMALL_BYTES // 2  # bf16 elements: exactly SMALL_BYTES, not small
-    tensors = [
-        torch.randn(3, 5, generator=gen),
-        torch.randn(large, generator=gen).to(torch.bfloat16),
-        torch.tensor(7, dtype=torch.int64),
-        torch.randn(6, 4, generator=gen).t(),
-        torch.zeros(0, 3),
-        torch.randn(9, generator=gen).to(torch.bfloat16),
-    ]
-    copies = device_copies(tensors, torch.device("cpu"))
-    for tensor, copy in zip(tensors, copies, strict=True):
-        assert torch.equal(tensor, copy) and copy.stride() == tensor.stride()
-        assert copy.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
-    storages = [c.untyped_storage().data_ptr() for c in copies]
-    assert storages[0] == storages[2] == storages[4] == storages[5]
-    assert len({storages[0], storages[1], storages[3]}) == 3

@@ -5,10 +5,8 @@ import torch
 
 from tandem.weight_sync.buckets import (
     ALIGN_BYTES,
-    FOREACH_MAX_BYTES,
     BucketPlan,
     TensorMeta,
-    copy_tensors,
     flat_bytes,
     pack_piece,
     plan_buckets,
@@ -142,31 +140,3 @@ def test_in_place_tensors_are_yielded_once_at_their_last_piece() -> None:
     assert len(big_buckets) == 3
     assert [name for _, name in yielded] == ["a", "big", "c", "d"]
     assert (big_buckets[-1], "big") in yielded
-
-
-def test_copy_tensors_fuses_small_copies_and_still_copies_every_pair() -> None:
-    """Small same-dtype pairs go through ``_foreach_copy_`` (grouped by dtype); large ones,
-    casts and strided destinations through ``copy_``: every destination ends up equal."""
-    gen = torch.Generator().manual_seed(0)
-    big = FOREACH_MAX_BYTES // 4 + 1  # fp32 elements: one byte over the fused limit
-    srcs = [
-        torch.randn(7, 5, generator=gen).to(torch.bfloat16),
-        torch.randn(3, generator=gen),
-        torch.randn(big, generator=gen),
-        torch.randn(4, 4, generator=gen),  # cast into bf16
-        torch.randint(0, 9, (6,), generator=gen),
-        torch.randn(5, 7, generator=gen).to(torch.bfloat16),
-    ]
-    dsts = [
-        torch.zeros(7, 5, dtype=torch.bfloat16),
-        torch.zeros(3),
-        torch.zeros(big),
-        torch.zeros(4, 4, dtype=torch.bfloat16),
-        torch.zeros(6, dtype=torch.int64),
-        torch.zeros(7, 5, dtype=torch.bfloat16).t(),  # strided destination
-    ]
-    copy_tensors(dsts, srcs)
-    for dst, src in zip(dsts, srcs, strict=True):
-        assert torch.equal(dst, src.to(dst.dtype))
-    with pytest.raises(ValueError):
-        copy_tensors(dsts, srcs[:-1])

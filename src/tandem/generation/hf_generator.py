@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
-from tandem.weight_sync import copy_tensors, make_receiver
+from tandem.weight_sync import copy_tensors, device_copies, make_receiver
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -79,7 +80,14 @@ class HfGenerator(Generator):
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} (got {dtype!r})")
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
-        self.model.to(self.device).eval()  # type: ignore[arg-type]
+        # The parameters back to back in one allocation, as a trainer's after onload(): a refit
+        # then copies runs of them at once (weight_sync.copies).
+        params = list(self.model.parameters())
+        with torch.no_grad():
+            copies = device_copies([p.detach() for p in params], self.device)
+        for param, copy in zip(params, copies, strict=True):
+            torch.utils.swap_tensors(param, nn.Parameter(copy, requires_grad=param.requires_grad))
+        self.model.to(self.device).eval()  # type: ignore[arg-type]  # the buffers
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         eos = self.model.generation_config.eos_token_id
         if eos is None:

@@ -15,19 +15,22 @@ every shard alive on torch 2.11 + CUDA.)
 Host copies are pinned when CUDA is present so transfers run at bus bandwidth; the caching host
 allocator keeps the pinned blocks, so the second and later offloads do not pin again. Onload
 reserves the device memory it needs in one allocation first, so the per-tensor allocations that
-follow are carved from one cached segment instead of one ``cudaMalloc`` each; parameters too
-small for that segment are carved from one allocation of their own (``device_copies``).
+follow are carved from one cached segment instead of one ``cudaMalloc`` each. The parameters are
+carved from one allocation, back to back in order (``weight_sync.copies.device_copies``): a
+live colocated refit maps that one segment (``weight_sync.cuda_ipc``), and a generator laid out
+alike copies a bucket of them at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from tandem.trainer.parallelize import reshard
+from tandem.weight_sync.copies import device_copies
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -36,36 +39,6 @@ except ImportError:  # pragma: no cover - torch without distributed
     DTensor = FSDPModule = None  # type: ignore[assignment,misc]
 
 CPU = torch.device("cpu")
-
-
-SMALL_BYTES = 1 << 20
-"""The caching allocator serves requests under 1 MiB from 2 MiB segments of their own. Onload
-carves the parameters under it from one allocation instead, so a one-rank trainer's weights
-live in a handful of segments: what a live colocated refit maps (``weight_sync.cuda_ipc``)."""
-_CARVE_ALIGN = 512  # the caching allocator's rounding
-
-
-def device_copies(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Copies of ``tensors`` on ``device`` (non-blocking), laid out as ``onload()`` lays out
-    parameters: the contiguous ones under ``SMALL_BYTES`` are views of one allocation."""
-
-    def nbytes(tensor: torch.Tensor) -> int:
-        return tensor.numel() * tensor.element_size()
-
-    offsets, total = {}, 0
-    for i, tensor in enumerate(tensors):
-        if nbytes(tensor) < SMALL_BYTES and tensor.is_contiguous():
-            offsets[i], total = total, total + -(-nbytes(tensor) // _CARVE_ALIGN) * _CARVE_ALIGN
-    arena = torch.empty(total, dtype=torch.uint8, device=device) if offsets else None
-    copies = []
-    for i, tensor in enumerate(tensors):
-        if arena is not None and i in offsets:
-            raw = arena[offsets[i] : offsets[i] + nbytes(tensor)]
-            out = raw.view(tensor.dtype).view(tensor.shape)
-        else:
-            out = torch.empty_like(tensor, device=device)  # keeps the strides
-        copies.append(out.copy_(tensor, non_blocking=True))
-    return copies
 
 
 def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -160,7 +133,7 @@ def move_module(module: nn.Module, device: torch.device) -> None:
         sources += [p for p in _parameters(module) if DTensor is None or not isinstance(p, DTensor)]
         sources = [t for t in sources if t.device != device]
         moved: dict[int, torch.Tensor] = {}
-        if device.type == "cuda":  # laid out in few segments (see SMALL_BYTES)
+        if device.type == "cuda":  # one allocation, back to back (see the module docstring)
             copies = device_copies([t.detach() for t in sources], device)
             moved = {id(t): copy for t, copy in zip(sources, copies, strict=True)}
         for fsdp_param in fsdp_params:

@@ -27,8 +27,9 @@ from tandem.weight_sync.base import (
     SendStats,
     metadata_of,
 )
-from tandem.weight_sync.buckets import BucketPlan, TensorMeta, copy_tensors, plan_buckets
+from tandem.weight_sync.buckets import BucketPlan, TensorMeta, plan_buckets
 from tandem.weight_sync.colocated import ColocatedReceiver, ColocatedSender
+from tandem.weight_sync.copies import copy_tensors, device_copies
 from tandem.weight_sync.split import SplitReceiver, SplitSender
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "TensorMeta",
     "bucket_bytes_for",
     "copy_tensors",
+    "device_copies",
     "make_receiver",
     "make_sender",
     "metadata_of",

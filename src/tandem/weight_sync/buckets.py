@@ -20,11 +20,6 @@ import torch
 ALIGN_BYTES = 256
 """Offset alignment inside a bucket: enough for every dtype and for vectorised copies."""
 
-FOREACH_MAX_BYTES = 4 << 20
-"""``copy_tensors`` copies tensors up to this size in fused launches (``_foreach_copy_``); a
-larger one gets a copy of its own, which reaches the device's copy bandwidth where the fused
-kernel does not (measured in ``bench/refit_breakdown.py``)."""
-
 
 @dataclass(frozen=True)
 class TensorMeta:
@@ -192,28 +187,6 @@ def unpack_bucket(
         flat_bytes(target)[piece.tensor_start : piece.tensor_start + piece.num_bytes].copy_(src)
         if piece.tensor_start + piece.num_bytes == meta.num_bytes:
             yield meta.name, partial.pop(piece.tensor_index)
-
-
-def copy_tensors(
-    dsts: Sequence[torch.Tensor],
-    srcs: Sequence[torch.Tensor],
-    fused_max_bytes: int = FOREACH_MAX_BYTES,
-) -> None:
-    """``dst.copy_(src)`` for every pair; the pairs up to ``fused_max_bytes`` of one dtype and
-    device in one fused launch per group, so that copying a bucket of a few hundred tensors is
-    not bound by the CPU's per-copy launch cost."""
-    fused: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]]
-    fused = {}
-    for dst, src in zip(dsts, srcs, strict=True):
-        small = dst.numel() * dst.element_size() <= fused_max_bytes
-        if small and dst.dtype == src.dtype and dst.device == src.device:
-            group = fused.setdefault((dst.dtype, dst.device), ([], []))
-            group[0].append(dst)
-            group[1].append(src)
-        else:
-            dst.copy_(src)
-    for group_dsts, group_srcs in fused.values():
-        torch._foreach_copy_(group_dsts, group_srcs)
 
 
 def check_tensor(meta: TensorMeta, name: str, tensor: torch.Tensor) -> None:

@@ -1,0 +1,116 @@
+"""Copying many tensors on a device: how they are laid out, and how a batch of them is copied.
+
+A refit copies a few hundred tensors per bucket. One launch per copy is bound by the CPU: on an
+H200 a launch costs ~5-10 µs of Python and driver time, while copying a 1.5B model's median
+tensor takes ~2 µs. Two things keep the launches few:
+
+- ``device_copies`` lays tensors out back to back in one allocation, in order, each at an
+  ``ALIGN_BYTES`` boundary: the layout of a packed bucket. ``onload()`` lays a trainer's
+  parameters out this way, and ``HfGenerator`` its own.
+- ``copy_tensors`` copies a run of pairs that sit back to back on both sides as one range of
+  bytes, and fuses the small pairs left over into ``_foreach_copy_`` launches. Between two
+  models laid out alike, or a packed bucket and such a model, a bucket is one copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tandem.weight_sync.buckets import ALIGN_BYTES
+
+FOREACH_MAX_BYTES = 4 << 20
+"""``copy_tensors`` copies tensors up to this size in fused launches (``_foreach_copy_``); a
+larger one gets a copy of its own, which reaches the device's copy bandwidth where the fused
+kernel does not (measured in ``bench/refit_breakdown.py``)."""
+
+
+def _aligned(num_bytes: int) -> int:
+    return -(-num_bytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def device_copies(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Copies of ``tensors`` on ``device`` (non-blocking). The contiguous ones are views of one
+    allocation, in order, each at an ``ALIGN_BYTES`` boundary; a strided one gets an allocation
+    of its own and keeps its strides."""
+    offsets, total = {}, 0
+    for i, tensor in enumerate(tensors):
+        if tensor.is_contiguous():
+            offsets[i], total = total, total + _aligned(tensor.nbytes)
+    arena = torch.empty(total, dtype=torch.uint8, device=device) if offsets else None
+    copies = []
+    for i, tensor in enumerate(tensors):
+        if arena is not None and i in offsets:
+            raw = arena[offsets[i] : offsets[i] + tensor.nbytes]
+            out = raw.view(tensor.dtype).view(tensor.shape)
+        else:
+            out = torch.empty_like(tensor, device=device)  # keeps the strides
+        copies.append(out.copy_(tensor, non_blocking=True))
+    return copies
+
+
+def _byte_range(tensor: torch.Tensor, num_bytes: int) -> torch.Tensor:
+    """``num_bytes`` of ``tensor``'s storage from where ``tensor`` starts, as a uint8 tensor."""
+    out = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    start = tensor.storage_offset() * tensor.element_size()
+    return out.set_(tensor.untyped_storage(), start, (num_bytes,), (1,))
+
+
+def coalesce(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> list[range]:
+    """The pairs of ``copy_tensors`` grouped into runs, in order: consecutive pairs form one run
+    when each side is contiguous, of one shape and dtype, and starts in the same storage exactly
+    where the pair before it ended, so the run is one range of bytes on each side. An empty pair
+    joins the run before it."""
+    runs: list[range] = []
+    start, ends, storages = 0, (-1, -1), (-1, -1)
+    for i, (dst, src) in enumerate(zip(dsts, srcs, strict=True)):
+        contiguous = (
+            dst.dtype == src.dtype
+            and dst.shape == src.shape
+            and dst.is_contiguous()
+            and src.is_contiguous()
+            and dst.device == src.device
+        )
+        if contiguous and dst.numel() == 0 and i > start and ends[0] >= 0:
+            continue  # nothing to copy (and no address to check): it joins the open run
+        if contiguous:
+            at = (dst.data_ptr(), src.data_ptr())
+            here = (dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr())
+            if i > start and at == ends and here == storages:
+                ends = (at[0] + dst.nbytes, at[1] + dst.nbytes)
+                continue
+            ends, storages = (at[0] + dst.nbytes, at[1] + dst.nbytes), here
+        else:
+            ends, storages = (-1, -1), (-1, -1)  # nothing continues this pair
+        if i > start:
+            runs.append(range(start, i))
+        start = i
+    if len(dsts) > start:
+        runs.append(range(start, len(dsts)))
+    return runs
+
+
+def copy_tensors(
+    dsts: Sequence[torch.Tensor],
+    srcs: Sequence[torch.Tensor],
+    fused_max_bytes: int = FOREACH_MAX_BYTES,
+) -> None:
+    """``dst.copy_(src)`` for every pair, in few launches: a run of pairs back to back on both
+    sides (``coalesce``) is one byte copy; the single pairs up to ``fused_max_bytes`` of one
+    dtype and device go through one fused launch per group; the rest get a copy each."""
+    fused: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]]
+    fused = {}
+    for run in coalesce(dsts, srcs):
+        dst, src = dsts[run.start], srcs[run.start]
+        if len(run) > 1:
+            num_bytes = sum(dsts[i].nbytes for i in run)
+            _byte_range(dst, num_bytes).copy_(_byte_range(src, num_bytes))
+        elif dst.nbytes <= fused_max_bytes and dst.dtype == src.dtype and dst.device == src.device:
+            group = fused.setdefault((dst.dtype, dst.device), ([], []))
+            group[0].append(dst)
+            group[1].append(src)
+        else:
+            dst.copy_(src)
+    for group_dsts, group_srcs in fused.values():
+        torch._foreach_copy_(group_dsts, group_srcs)

@@ -1,0 +1,127 @@
+"""Laying tensors out back to back (``device_copies``) and copying batches of them
+(``copy_tensors``, ``coalesce``), on the CPU; the same code runs on a GPU in tests/gpu."""
+
+import pytest
+import torch
+
+from tandem.weight_sync.buckets import ALIGN_BYTES, plan_buckets
+from tandem.weight_sync.copies import FOREACH_MAX_BYTES, coalesce, copy_tensors, device_copies
+
+CPU = torch.device("cpu")
+
+
+def _mixed(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(3, 5, generator=gen),  # 60 bytes: the next one starts after a gap
+        torch.randn(128, generator=gen).to(torch.bfloat16),  # 256 bytes
+        torch.randint(0, 9, (32,), generator=gen),  # int64, 256 bytes
+        torch.tensor(7, dtype=torch.int64),
+        torch.randn(6, 4, generator=gen).t(),  # strided
+        torch.zeros(0, 3),
+        torch.randn(512, generator=gen).to(torch.bfloat16),
+    ]
+
+
+def test_device_copies_lay_contiguous_tensors_back_to_back_in_one_allocation() -> None:
+    tensors = _mixed(0)
+    copies = device_copies(tensors, CPU)
+    for tensor, copy in zip(tensors, copies, strict=True):
+        assert torch.equal(tensor, copy) and copy.stride() == tensor.stride()
+        assert copy.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+    contiguous = [c for c in copies if c.is_contiguous()]
+    base = contiguous[0].untyped_storage().data_ptr()
+    assert {c.untyped_storage().data_ptr() for c in contiguous} == {base}
+    assert copies[4].untyped_storage().data_ptr() != base  # the strided one: its own
+    # In order, each at the next ALIGN_BYTES boundary after the one before (an empty tensor
+    # takes no bytes, and reports no address).
+    offsets, expected = [c.data_ptr() - base for c in contiguous if c.numel()], [0]
+    for c in contiguous[:-1]:
+        if c.nbytes:
+            expected.append(expected[-1] + -(-c.nbytes // ALIGN_BYTES) * ALIGN_BYTES)
+    assert offsets == expected
+
+
+def test_coalesce_joins_pairs_back_to_back_on_both_sides() -> None:
+    srcs = device_copies(_mixed(1), CPU)
+    dsts = device_copies([torch.zeros_like(t) for t in srcs], CPU)
+    # 0 ends at 60 bytes, before the boundary 1 starts at: a gap. 1, 2, 3 are back to back;
+    # 4 is strided; 5 is empty (after 4, nothing to join) and 6 follows it.
+    assert coalesce(dsts, srcs) == [range(0, 1), range(1, 4), range(4, 5), range(5, 6), range(6, 7)]
+    # A destination laid out differently breaks the runs where the sides stop lining up.
+    loose = [torch.zeros_like(t) for t in srcs]
+    assert all(len(run) == 1 for run in coalesce(loose, srcs))
+    # A cast or a reshaped destination is never part of a run.
+    cast = list(dsts)
+    cast[2] = torch.zeros(32, dtype=torch.float64)
+    assert [len(run) for run in coalesce(cast, srcs)] == [1] * 7
+    with pytest.raises(ValueError):
+        coalesce(dsts, srcs[:-1])
+    # An empty pair inside a run joins it.
+    srcs.insert(2, torch.zeros(0, dtype=torch.bfloat16))
+    dsts.insert(2, torch.zeros(0, dtype=torch.bfloat16))
+    assert coalesce(dsts, srcs)[1] == range(1, 5)
+
+
+def test_copy_tensors_between_layouts_copies_every_pair_and_nothing_else() -> None:
+    """Runs copy their bytes and no byte outside the tensors: the gaps of the destination
+    layout keep what they held."""
+    srcs = device_copies(_mixed(2), CPU)
+    dsts = device_copies([torch.zeros_like(t) for t in srcs], CPU)
+    arena = torch.empty(0, dtype=torch.uint8).set_(dsts[0].untyped_storage())
+    arena.fill_(0xAB)
+    copy_tensors(dsts, srcs)
+    for dst, src in zip(dsts, srcs, strict=True):
+        assert torch.equal(dst, src)
+    covered = torch.zeros(arena.numel(), dtype=torch.bool)
+    for dst in dsts:
+        if dst.untyped_storage().data_ptr() == arena.data_ptr():
+            start = dst.data_ptr() - arena.data_ptr()
+            covered[start : start + dst.nbytes] = True
+    assert bool((arena[~covered] == 0xAB).all())
+
+
+def test_copy_tensors_out_of_a_packed_bucket_into_a_laid_out_model() -> None:
+    """A packed bucket has the layout of ``device_copies``: its tensors copy in one run."""
+    gen = torch.Generator().manual_seed(3)
+    model = device_copies([torch.zeros(64, 8), torch.zeros(64), torch.zeros(16, 16)], CPU)
+    plan = plan_buckets([(str(i), t.shape, t.dtype) for i, t in enumerate(model)], 1 << 20)
+    (bucket,) = plan.buckets
+    buffer = torch.empty(bucket.used_bytes, dtype=torch.uint8)
+    values = [torch.randn(t.shape, generator=gen) for t in model]
+    views = []
+    for piece, value in zip(bucket.pieces, values, strict=True):
+        view = buffer[piece.bucket_offset : piece.bucket_offset + piece.num_bytes]
+        views.append(view.view(torch.float32).view(value.shape).copy_(value))
+    assert coalesce(model, views) == [range(0, 3)]
+    copy_tensors(model, views)
+    for got, value in zip(model, values, strict=True):
+        assert torch.equal(got, value)
+
+
+def test_copy_tensors_fuses_small_copies_and_still_copies_every_pair() -> None:
+    """Small same-dtype pairs go through ``_foreach_copy_`` (grouped by dtype); large ones,
+    casts and strided destinations through ``copy_``: every destination ends up equal."""
+    gen = torch.Generator().manual_seed(0)
+    big = FOREACH_MAX_BYTES // 4 + 1  # fp32 elements: one byte over the fused limit
+    srcs = [
+        torch.randn(7, 5, generator=gen).to(torch.bfloat16),
+        torch.randn(3, generator=gen),
+        torch.randn(big, generator=gen),
+        torch.randn(4, 4, generator=gen),  # cast into bf16
+        torch.randint(0, 9, (6,), generator=gen),
+        torch.randn(5, 7, generator=gen).to(torch.bfloat16),
+    ]
+    dsts = [
+        torch.zeros(7, 5, dtype=torch.bfloat16),
+        torch.zeros(3),
+        torch.zeros(big),
+        torch.zeros(4, 4, dtype=torch.bfloat16),
+        torch.zeros(6, dtype=torch.int64),
+        torch.zeros(7, 5, dtype=torch.bfloat16).t(),  # strided destination
+    ]
+    copy_tensors(dsts, srcs)
+    for dst, src in zip(dsts, srcs, strict=True):
+        assert torch.equal(dst, src.to(dst.dtype))
+    with pytest.raises(ValueError):
+        copy_tensors(dsts, srcs[:-1])
