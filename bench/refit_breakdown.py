@@ -1,7 +1,8 @@
 """Where a colocated refit's time goes on one GPU: the pieces a transport is made of, timed alone.
 
 For the 8B shape (bf16 tensors on the GPU), in one process: one copy of every tensor (per
-tensor, with ``_foreach_copy_``, with ``copy_tensors`` at three fused-size limits), pack +
+tensor, with ``_foreach_copy_``, with ``copy_tensors`` at three fused-size limits and between
+two back-to-back layouts), pack +
 unpack through two alternating 2 GiB slots (the two passes of a bucketed refit, without a
 second process), allocating and freeing the slots. Across two processes: sharing every tensor
 through CUDA IPC (sender cost), opening the handles, one copy of every tensor straight out of
@@ -19,12 +20,13 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 from ceilings import emit
-from refit_gpu import SHAPES, metadata, timed
+from refit_gpu import SHAPES, generator_like, metadata, timed
 from torch.multiprocessing.reductions import reduce_tensor
 
 from tandem.weight_sync import plan_buckets
 from tandem.weight_sync.base import slot_layout
-from tandem.weight_sync.buckets import copy_tensors, pack_piece, unpack_bucket
+from tandem.weight_sync.buckets import pack_piece, unpack_bucket
+from tandem.weight_sync.copies import coalesce, copy_tensors
 
 
 def _child(handles: Any, shapes: Any, results: Any) -> None:
@@ -75,6 +77,11 @@ def main() -> None:
     for limit_mib in (1, 4, 16):  # copy_tensors: fused up to the limit, one copy each above
         seconds = timed(lambda limit=limit_mib * 2**20: copy_tensors(dsts, srcs, limit))
         figure("copy_tensors", seconds, fused_max_mib=limit_mib)
+    # Both sides back to back (a trainer after onload(), HfGenerator): the pairs coalesce.
+    laid = [generator_like(srcs), generator_like(srcs)]
+    seconds = timed(lambda: copy_tensors(laid[1], laid[0]))
+    figure("copy_tensors_laid_out", seconds, runs=len(coalesce(laid[1], laid[0])))
+    laid.clear()
     bulk = torch.empty(2, num_bytes, dtype=torch.uint8, device="cuda")
     figure("copy_bulk", timed(lambda: bulk[1].copy_(bulk[0])))
     bulk.untyped_storage().resize_(0)

@@ -4,15 +4,17 @@ The sender streams random bf16 GPU tensors shaped like a Qwen2 1.5B / 8B model (
 shapes from a ``Qwen2Config`` on the meta device; nothing touches disk), laid out as a
 trainer's after ``onload()`` (``trainer_like_state``). A receiver in a spawned process copies
 every tensor into parameters it preallocated on the same GPU, as
-``HfGenerator.receive_weights`` does (one ``copy_tensors`` per bucket), and returns a checksum.
+``HfGenerator.receive_weights`` does (one ``copy_tensors`` per bucket; the parameters laid out
+as ``HfGenerator`` lays out its own), and returns a checksum.
 
 The clock runs from ``send()`` until every byte has landed, with the receiver holding the spec
 (``spec_handoff_ms``: the queue that carries it here, a Ray call in tandem, is timed apart).
-The ceiling is the faster of two one-process copies of the same tensors into their own
-destinations (payload bytes / s): ``dst.copy_(src)`` per tensor, and ``copy_tensors`` of all of
-them. A packed refit copies every byte twice (into a bucket, then out of it), so its ideal is
-about half of that; a live one (``send(..., live=True)``, the trainer's own parameters) is read
-in place: one copy.
+The ceiling is the faster of two one-process copies of the same tensors into twins laid out as
+the receiver's (payload bytes / s): ``dst.copy_(src)`` per tensor, and ``copy_tensors`` of all
+of them (between two such layouts: a few byte copies, near the bulk device copy). A packed
+refit copies every byte twice (into a bucket, then out of it), so its ideal is about half of
+that; a live one (``send(..., live=True)``, the trainer's own parameters) is read in place: one
+copy.
 
     PYTHONPATH=src python bench/refit_gpu.py [--models 1.5b 8b] [--buckets-mib 64 512 1024 2048]
 """
@@ -30,8 +32,8 @@ import torch
 import torch.multiprocessing as mp
 from ceilings import QWEN_1P5B, QWEN_8B, emit, measure_ceilings, qwen2_config
 
-from tandem.trainer.offload import device_copies, reserve_segment
-from tandem.weight_sync import TensorMeta, copy_tensors, make_receiver, make_sender
+from tandem.trainer.offload import reserve_segment
+from tandem.weight_sync import TensorMeta, copy_tensors, device_copies, make_receiver, make_sender
 
 SHAPES = {"1.5b": QWEN_1P5B, "8b": QWEN_8B}
 
@@ -50,8 +52,8 @@ def metadata(shape: dict[str, Any]) -> list[TensorMeta]:
 
 
 def trainer_like_state(metas: list[TensorMeta]) -> dict[str, torch.Tensor]:
-    """Random tensors on the GPU, laid out as a trainer's parameters after ``onload()``: carved
-    from one reserved segment, the small ones from one allocation (``device_copies``)."""
+    """Random tensors on the GPU, laid out as a trainer's parameters after ``onload()``: back to
+    back in one allocation (``device_copies``) carved from one reserved segment."""
     device = torch.device("cuda")
     sources = [torch.randn(m.shape, device=device, dtype=m.dtype) for m in metas]
     reserve_segment(device, sum(m.num_bytes for m in metas))
@@ -59,6 +61,11 @@ def trainer_like_state(metas: list[TensorMeta]) -> dict[str, torch.Tensor]:
     del sources
     torch.cuda.synchronize()
     return state
+
+
+def generator_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Zeroed twins of ``tensors`` laid out as ``HfGenerator`` lays out its parameters."""
+    return device_copies([torch.zeros_like(t) for t in tensors], torch.device("cuda"))
 
 
 def checksum(tensors: Any) -> float:
@@ -74,7 +81,9 @@ def _receiver(specs: Any, results: Any) -> None:
         if set(params) != {m.name for m in metas}:
             params = {}
             torch.cuda.empty_cache()
-            params = {m.name: torch.zeros(m.shape, dtype=m.dtype, device="cuda") for m in metas}
+            zeros = [torch.zeros(m.shape, dtype=m.dtype, device="cuda") for m in metas]
+            params = dict(zip([m.name for m in metas], generator_like(zeros), strict=True))
+            del zeros
         results.put("receiving")
         for batch in make_receiver(spec, "cuda:0").iter_buckets():
             copy_tensors([params[name] for name, _ in batch], [t for _, t in batch])
@@ -113,10 +122,10 @@ def timed(fn: Callable[[], Any], repeats: int = 3) -> float:
 
 
 def copy_ceiling(state: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Payload GB/s of copying every tensor into a preallocated twin (best of 3), per tensor
-    and with ``copy_tensors``."""
+    """Payload GB/s of copying every tensor into a preallocated twin laid out as the receiver's
+    parameters (best of 3), per tensor and with ``copy_tensors``."""
     srcs = list(state.values())
-    dsts = [torch.empty_like(t) for t in srcs]
+    dsts = generator_like(srcs)
     num_bytes = sum(t.numel() * t.element_size() for t in srcs)
 
     def per_tensor() -> None:
