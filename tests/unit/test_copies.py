@@ -63,6 +63,27 @@ def test_coalesce_joins_pairs_back_to_back_on_both_sides() -> None:
     assert coalesce(dsts, srcs)[1] == range(1, 5)
 
 
+def test_a_run_stays_inside_the_storage_it_started_in() -> None:
+    """Two storages back to back in memory (slices of one) are two runs: a byte copy must not
+    cross from one allocation into the next."""
+    halves = [torch.empty(1024, dtype=torch.uint8).untyped_storage() for _ in range(2)]
+
+    def tensors(storage: torch.UntypedStorage) -> list[torch.Tensor]:
+        return [torch.empty(0).set_(storage[i * 512 : (i + 1) * 512]) for i in range(2)]
+
+    dsts, srcs = tensors(halves[0]), tensors(halves[1])
+    assert dsts[1].data_ptr() == dsts[0].data_ptr() + dsts[0].nbytes
+    assert coalesce(dsts, srcs) == [range(0, 1), range(1, 2)]
+    joined = [
+        torch.empty(0).set_(halves[0], 0, (128,)),
+        torch.empty(0).set_(halves[0], 128, (128,)),
+    ]
+    assert coalesce(joined, srcs) == [range(0, 1), range(1, 2)]  # the source side still splits
+    assert coalesce(joined, [t.clone() for t in joined]) == [range(0, 1), range(1, 2)]
+    same = [torch.empty(0).set_(halves[1], 0, (128,)), torch.empty(0).set_(halves[1], 128, (128,))]
+    assert coalesce(joined, same) == [range(0, 2)]
+
+
 def test_copy_tensors_between_layouts_copies_every_pair_and_nothing_else() -> None:
     """Runs copy their bytes and no byte outside the tensors: the gaps of the destination
     layout keep what they held."""

@@ -57,32 +57,42 @@ def _byte_range(tensor: torch.Tensor, num_bytes: int) -> torch.Tensor:
     return out.set_(tensor.untyped_storage(), start, (num_bytes,), (1,))
 
 
+def _end_of_storage(tensor: torch.Tensor) -> int:
+    storage = tensor.untyped_storage()
+    return int(storage.data_ptr() + storage.nbytes())
+
+
 def coalesce(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> list[range]:
     """The pairs of ``copy_tensors`` grouped into runs, in order: consecutive pairs form one run
-    when each side is contiguous, of one shape and dtype, and starts in the same storage exactly
-    where the pair before it ended, so the run is one range of bytes on each side. An empty pair
-    joins the run before it."""
+    when each side is contiguous, of one shape and dtype, and starts exactly where the pair
+    before it ended, inside the storage the run started in, so the run is one range of bytes on
+    each side. An empty pair joins the run before it. (The storages are looked up once per run:
+    this scan is on the refit's hot path.)"""
     runs: list[range] = []
-    start, ends, storages = 0, (-1, -1), (-1, -1)
+    start = 0
+    nexts = ends = (-1, -1)  # of the open run: where its next pair must start; its storages' ends
     for i, (dst, src) in enumerate(zip(dsts, srcs, strict=True)):
-        contiguous = (
+        if (
             dst.dtype == src.dtype
             and dst.shape == src.shape
             and dst.is_contiguous()
             and src.is_contiguous()
-            and dst.device == src.device
-        )
-        if contiguous and dst.numel() == 0 and i > start and ends[0] >= 0:
-            continue  # nothing to copy (and no address to check): it joins the open run
-        if contiguous:
-            at = (dst.data_ptr(), src.data_ptr())
-            here = (dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr())
-            if i > start and at == ends and here == storages:
-                ends = (at[0] + dst.nbytes, at[1] + dst.nbytes)
-                continue
-            ends, storages = (at[0] + dst.nbytes, at[1] + dst.nbytes), here
+        ):
+            num_bytes = dst.nbytes
+            if i > start and nexts[0] >= 0:
+                if num_bytes == 0:
+                    continue  # nothing to copy (and no address to check)
+                at = (dst.data_ptr(), src.data_ptr())
+                if at == nexts and at[0] + num_bytes <= ends[0] and at[1] + num_bytes <= ends[1]:
+                    nexts = (at[0] + num_bytes, at[1] + num_bytes)
+                    continue
+            if dst.device == src.device:  # a run starts here
+                nexts = (dst.data_ptr() + num_bytes, src.data_ptr() + num_bytes)
+                ends = (_end_of_storage(dst), _end_of_storage(src))
+            else:
+                nexts = (-1, -1)
         else:
-            ends, storages = (-1, -1), (-1, -1)  # nothing continues this pair
+            nexts = (-1, -1)  # nothing continues this pair
         if i > start:
             runs.append(range(start, i))
         start = i
