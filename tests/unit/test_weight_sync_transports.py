@@ -117,10 +117,13 @@ def test_two_refits_bit_exact(transport: str, num_receivers: int) -> None:
     receivers = Receivers(num_receivers)
     try:
         num_tensors = len(random_state_dict(0))
+        keys = []
         for refit_id in (1, 2):  # the second refit reuses the cached store / process group
             reports = sorted(receivers.refit(sender))
             assert reports == [(r, refit_id, num_tensors, []) for r in range(1, num_receivers + 1)]
             assert _leftover_shm() == []
+            keys.append(sender._store.num_keys())
+        assert keys[0] == keys[1]  # a refit leaves no signal behind in the store
     finally:
         receivers.close()
         sender.close()

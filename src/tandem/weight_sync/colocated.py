@@ -227,16 +227,19 @@ class ColocatedSender(RefitSender):
 
     def _end(self, spec: RefitSpec) -> None:
         self._attach(spec)
-        keys = [_key(spec.refit_id, "released", rank) for rank in self._ranks()]
-        wait_signals(self._store, keys, spec.timeout_s, "the receivers to release the buffers")
+        # Every receiver is done with the last bucket, so every signal but "released" has been
+        # read: delete them while the receivers wait for their last copies and unmap.
         num_buckets = len(spec.plan.buckets)
         for index in range(num_buckets):
             self._store.delete_key(_key(spec.refit_id, "ready", index))
         for rank in self._ranks():
             self._store.delete_key(_key(spec.refit_id, "attached", rank))
-            self._store.delete_key(_key(spec.refit_id, "released", rank))
             for index in range(num_buckets):
                 self._store.delete_key(_key(spec.refit_id, "done", index, rank))
+        keys = [_key(spec.refit_id, "released", rank) for rank in self._ranks()]
+        wait_signals(self._store, keys, spec.timeout_s, "the receivers to release the buffers")
+        for key in keys:
+            self._store.delete_key(key)
 
     def _abort(self, spec: RefitSpec, message: str) -> None:
         keys = [_key(spec.refit_id, "ready", i) for i in range(len(spec.plan.buckets))]
