@@ -108,7 +108,11 @@ def copy_tensors(
 ) -> None:
     """``dst.copy_(src)`` for every pair, in few launches: a run of pairs back to back on both
     sides (``coalesce``) is one byte copy; the single pairs up to ``fused_max_bytes`` of one
-    dtype and device go through one fused launch per group; the rest get a copy each."""
+    dtype and device go through one fused launch per group; the rest get a copy each.
+
+    A byte copy writes the destination's storage directly, so autograd's version counter of the
+    destination does not move: this is for weights being replaced, not for tensors a backward
+    pass still needs."""
     fused: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]]
     fused = {}
     for run in coalesce(dsts, srcs):
