@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -103,17 +104,36 @@ def test_sampled_logprobs_are_raw_model_logprobs(vllm_generator, hf_generator) -
         assert r.response_logprobs == pytest.approx(expected.tolist(), abs=1e-4)
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def test_load_weights_updates_the_engine(vllm_generator, hf_generator, original) -> None:
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    from tandem.generation.vllm_worker_ext import RELOAD_LOGGER
+
+    assert layerwise.logger.name == RELOAD_LOGGER  # the logger the worker quiets
+    records = _Records()
+    logging.getLogger(RELOAD_LOGGER).addHandler(records)
     ids = _ids(hf_generator, PROMPTS)
     new = _perturbed(original, seed=1)
     before = vllm_generator.generate(ids, GREEDY)
     try:
         vllm_generator.load_weights(iter(new.items()))
+        # The rotary cache and the tied LM head receive nothing on purpose: no warning.
+        assert not [m for m in records.messages if "Failed to load weights" in m]
         hf_generator.load_weights(iter(new.items()))
         after = vllm_generator.generate(ids, GREEDY)
         assert [r.response_logprobs for r in after] != [r.response_logprobs for r in before]
         _assert_agree(after, hf_generator.generate(ids, GREEDY))
     finally:
+        logging.getLogger(RELOAD_LOGGER).removeHandler(records)
         vllm_generator.load_weights(iter(original.items()))
         hf_generator.load_weights(iter(original.items()))
     _assert_agree(vllm_generator.generate(ids, GREEDY), before, atol=1e-6)

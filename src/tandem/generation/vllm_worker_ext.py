@@ -16,6 +16,7 @@ and re-applies them after every reload; a refit without scales keeps them.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Iterator
 from itertools import chain
@@ -24,6 +25,33 @@ from typing import Any
 import torch
 
 _KV_SCALE_RE = re.compile(r"(.+\.attn)\.([qkv])_scale")
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+"""The logger of vLLM 0.32's layerwise reload, which warns once per reload for every layer
+that received no weight."""
+
+
+class ExpectedUnloadedFilter(logging.Filter):
+    """Drops the reload's "<layer>: Failed to load weights" for layers a refit never sends:
+    rotary embeddings (a computed cache, no checkpoint weight) and, with tied embeddings, the
+    LM head (``_refresh_tied_lm_head`` refreshes it). They came twice per refit, 300 lines in
+    the main job's 150 steps. The warning for any other layer, a weight the stream missed,
+    still shows."""
+
+    MESSAGE = "%s: Failed to load weights"
+
+    def __init__(self, tied_lm_head: bool) -> None:
+        super().__init__()
+        self.tied_lm_head = tied_lm_head
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != self.MESSAGE or not isinstance(record.args, tuple) or not record.args:
+            return True
+        layer = str(record.args[0])
+        expected = layer.endswith("RotaryEmbedding") or (
+            self.tied_lm_head and layer == "ParallelLMHead"
+        )
+        return not expected
 
 
 class TandemWorkerExtension:
@@ -58,6 +86,7 @@ class TandemWorkerExtension:
         stream = owned()
         first = next(stream, None)  # a scales-only stream must not trigger an empty reload
         if first is not None:
+            self._quiet_expected_reload_warnings()
             self.reload_weights(weights_iterator=chain([first], stream), is_checkpoint_format=True)
             self._refresh_tied_lm_head()
         previous: dict[str, dict[str, float]] = getattr(self, "_tandem_kv_scales", {})
@@ -112,6 +141,14 @@ class TandemWorkerExtension:
             for name, module in model.named_modules()
             if hasattr(module, "_k_scale_float")
         }
+
+    def _quiet_expected_reload_warnings(self) -> None:
+        """Install ``ExpectedUnloadedFilter`` on vLLM's reload logger (once per process)."""
+        reload_logger = logging.getLogger(RELOAD_LOGGER)
+        if not any(isinstance(f, ExpectedUnloadedFilter) for f in reload_logger.filters):
+            hf_config = self.model_runner.model_config.hf_text_config
+            tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+            reload_logger.addFilter(ExpectedUnloadedFilter(tied))
 
     def _refresh_tied_lm_head(self) -> None:
         """Re-run the LM head's post-load processing when it is tied to the embeddings.
