@@ -13,7 +13,7 @@ from tandem.config.models import CheckpointConfig, DataConfig, LoggingConfig
 from tandem.data.prompts import PromptSource, load_prompt_file
 from tandem.driver import Checkpoints
 from tandem.generation.base import Rollout
-from tandem.logging.metrics import MetricsLogger, read_metrics
+from tandem.logging.metrics import CONSOLE_KEYS, MetricsLogger, format_console_line, read_metrics
 from tandem.logging.plots import plot_run
 
 
@@ -113,3 +113,14 @@ def test_metrics_logger_writes_jsonl_tensorboard_and_plot(tmp_path: Path) -> Non
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     png = plot_run(records, tmp_path / "reward.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_metrics_line_is_one_line_off_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    metrics = {key: 0.123456 for key in CONSOLE_KEYS}
+    with MetricsLogger(LoggingConfig(progress=False), tmp_path, total_steps=1) as logger:
+        logger.log(1, metrics)
+    line = format_console_line({"step": 1, **metrics})
+    assert len(line) > 80  # wider than rich's default width when stderr is not a terminal
+    assert line in capsys.readouterr().err.splitlines()

@@ -69,7 +69,8 @@ class MetricsLogger:
             self._mlflow.log_metrics(
                 {k.replace("/", "_"): v for k, v in record.items() if k != "step"}, step=step
             )
-        self._progress.console.print(format_console_line(record))
+        # soft_wrap: one line per step in logs too (not broken at 80 columns off a terminal)
+        self._progress.console.print(format_console_line(record), soft_wrap=True)
         self._progress.update(self._task, completed=step)
 
     def info(self, message: str) -> None:
