@@ -64,8 +64,14 @@ def trainer_like_state(metas: list[TensorMeta]) -> dict[str, torch.Tensor]:
 
 
 def generator_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Zeroed twins of ``tensors`` laid out as ``HfGenerator`` lays out its parameters."""
-    return device_copies([torch.zeros_like(t) for t in tensors], torch.device("cuda"))
+    """Copies of ``tensors`` laid out as ``HfGenerator`` lays out its parameters."""
+    return device_copies(tensors, torch.device("cuda"))
+
+
+def generator_params(metas: list[TensorMeta]) -> dict[str, torch.Tensor]:
+    """Zeroed parameters of ``metas`` laid out as ``HfGenerator`` lays out its own."""
+    zeros = [torch.zeros(m.shape, dtype=m.dtype, device="cuda") for m in metas]
+    return dict(zip([m.name for m in metas], generator_like(zeros), strict=True))
 
 
 def checksum(tensors: Any) -> float:
@@ -81,9 +87,7 @@ def _receiver(specs: Any, results: Any) -> None:
         if set(params) != {m.name for m in metas}:
             params = {}
             torch.cuda.empty_cache()
-            zeros = [torch.zeros(m.shape, dtype=m.dtype, device="cuda") for m in metas]
-            params = dict(zip([m.name for m in metas], generator_like(zeros), strict=True))
-            del zeros
+            params = generator_params(metas)
         results.put("receiving")
         for batch in make_receiver(spec, "cuda:0").iter_buckets():
             copy_tensors([params[name] for name, _ in batch], [t for _, t in batch])

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from ceilings import emit
-from refit_gpu import SHAPES, generator_like, metadata, receiver_process, trainer_like_state
+from refit_gpu import SHAPES, generator_params, metadata, receiver_process, trainer_like_state
 
 from tandem.weight_sync import colocated, copy_tensors, make_receiver, make_sender
 
@@ -54,10 +54,7 @@ def _receiver(specs: Any, results: Any) -> None:
     params: dict[str, torch.Tensor] = {}
     while (message := specs.get()) is not None:
         metas, spec = message
-        if not params:
-            zeros = [torch.zeros(m.shape, dtype=m.dtype, device="cuda") for m in metas]
-            params = dict(zip([m.name for m in metas], generator_like(zeros), strict=True))
-            del zeros
+        params = params or generator_params(metas)
         SPANS.clear()
         for batch in make_receiver(spec, "cuda:0").iter_buckets():
             start = time.perf_counter()
