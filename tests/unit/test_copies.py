@@ -4,8 +4,14 @@
 import pytest
 import torch
 
-from tandem.weight_sync.buckets import ALIGN_BYTES, plan_buckets
-from tandem.weight_sync.copies import FOREACH_MAX_BYTES, coalesce, copy_tensors, device_copies
+from tandem.weight_sync.buckets import ALIGN_BYTES, flat_bytes, plan_buckets
+from tandem.weight_sync.copies import (
+    FOREACH_MAX_BYTES,
+    coalesce,
+    copy_from_bytes,
+    copy_tensors,
+    device_copies,
+)
 
 CPU = torch.device("cpu")
 
@@ -115,7 +121,7 @@ def test_copy_tensors_out_of_a_packed_bucket_into_a_laid_out_model() -> None:
         view = buffer[piece.bucket_offset : piece.bucket_offset + piece.num_bytes]
         views.append(view.view(torch.float32).view(value.shape).copy_(value))
     assert coalesce(model, views) == [range(0, 3)]
-    copy_tensors(model, views)
+    assert copy_tensors(model, views) == 1  # launches
     for got, value in zip(model, values, strict=True):
         assert torch.equal(got, value)
 
@@ -141,8 +147,42 @@ def test_copy_tensors_fuses_small_copies_and_still_copies_every_pair() -> None:
         torch.zeros(6, dtype=torch.int64),
         torch.zeros(7, 5, dtype=torch.bfloat16).t(),  # strided destination
     ]
-    copy_tensors(dsts, srcs)
+    # the large one and the cast alone; the rest in one fused launch per dtype (bf16, f32, i64)
+    assert copy_tensors(dsts, srcs) == 2 + 3
     for dst, src in zip(dsts, srcs, strict=True):
         assert torch.equal(dst, src.to(dst.dtype))
     with pytest.raises(ValueError):
         copy_tensors(dsts, srcs[:-1])
+
+
+def test_copy_from_bytes_copies_runs_of_destinations_out_of_packed_bytes() -> None:
+    """A receiver copies a run of a sender's tensors (their bytes back to back) into its own:
+    destinations back to back take one copy, a gap or a strided one starts another, empty ones
+    cost nothing, and no byte outside the destinations is written."""
+    gen = torch.Generator().manual_seed(4)
+    values = [
+        torch.randn(64, generator=gen),  # 256 bytes
+        torch.randn(8, 16, generator=gen).to(torch.bfloat16),  # 256 bytes
+        torch.zeros(0, 5),
+        torch.randn(3, generator=gen),  # 12 bytes: the next destination starts after a gap
+        torch.randn(16, generator=gen),
+        torch.randn(4, 6, generator=gen),  # its destination is strided
+        torch.randint(0, 9, (16,), generator=gen),
+    ]
+    src = torch.cat([flat_bytes(v) for v in values])
+    dsts = device_copies([torch.zeros_like(v) for v in values], CPU)
+    dsts[5] = torch.zeros(6, 4).t()
+    arena = torch.empty(0, dtype=torch.uint8).set_(dsts[0].untyped_storage())
+    arena.fill_(0xAB)
+    # 0, 1 (and the empty 2), 3 | gap | 4 | strided 5 | 6 (its own: the strided one broke the run)
+    assert copy_from_bytes(dsts, src) == 4
+    for dst, value in zip(dsts, values, strict=True):
+        assert torch.equal(dst, value)
+    covered = torch.zeros(arena.numel(), dtype=torch.bool)
+    for dst in dsts:
+        if dst.untyped_storage().data_ptr() == arena.data_ptr():
+            start = dst.data_ptr() - arena.data_ptr()
+            covered[start : start + dst.nbytes] = True
+    assert bool((arena[~covered] == 0xAB).all())
+    with pytest.raises(ValueError, match="source bytes"):
+        copy_from_bytes(dsts, src[:-1])

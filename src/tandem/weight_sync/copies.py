@@ -10,6 +10,8 @@ tensor takes ~2 µs. Two things keep the launches few:
 - ``copy_tensors`` copies a run of pairs that sit back to back on both sides as one range of
   bytes, and fuses the small pairs left over into ``_foreach_copy_`` launches. Between two
   models laid out alike, or a packed bucket and such a model, a bucket is one copy.
+- ``copy_from_bytes`` does the same from a range of bytes that holds the tensors back to back,
+  with no source tensors made: how a colocated receiver reads a run of a trainer's parameters.
 """
 
 from __future__ import annotations
@@ -105,16 +107,18 @@ def copy_tensors(
     dsts: Sequence[torch.Tensor],
     srcs: Sequence[torch.Tensor],
     fused_max_bytes: int = FOREACH_MAX_BYTES,
-) -> None:
+) -> int:
     """``dst.copy_(src)`` for every pair, in few launches: a run of pairs back to back on both
     sides (``coalesce``) is one byte copy; the single pairs up to ``fused_max_bytes`` of one
-    dtype and device go through one fused launch per group; the rest get a copy each.
+    dtype and device go through one fused launch per group; the rest get a copy each. Returns
+    the number of launches.
 
     A byte copy writes the destination's storage directly, so autograd's version counter of the
     destination does not move: this is for weights being replaced, not for tensors a backward
     pass still needs."""
     fused: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]]
     fused = {}
+    launches = 0
     for run in coalesce(dsts, srcs):
         dst, src = dsts[run.start], srcs[run.start]
         if len(run) > 1:
@@ -124,7 +128,46 @@ def copy_tensors(
             group = fused.setdefault((dst.dtype, dst.device), ([], []))
             group[0].append(dst)
             group[1].append(src)
+            continue
         else:
             dst.copy_(src)
+        launches += 1
     for group_dsts, group_srcs in fused.values():
         torch._foreach_copy_(group_dsts, group_srcs)
+    return launches + len(fused)
+
+
+def copy_from_bytes(dsts: Sequence[torch.Tensor], src: torch.Tensor) -> int:
+    """Fill ``dsts``, in order, from the uint8 tensor ``src`` that holds their bytes back to
+    back (no gaps; ``src.numel()`` is their total). Destinations that lie back to back in one
+    storage take one byte copy together; a strided one gets a copy of its own. Returns the
+    number of copies. (A colocated receiver reads a run of a trainer's parameters this way,
+    without making a tensor per parameter on the source side.)"""
+    total = sum(dst.nbytes for dst in dsts)
+    if total != src.numel():
+        raise ValueError(f"copy_from_bytes: {src.numel()} source bytes for {total} of tensors")
+    copies = at = i = 0
+    while i < len(dsts):
+        dst, i = dsts[i], i + 1
+        num_bytes = dst.nbytes
+        if not num_bytes:
+            continue
+        if not dst.is_contiguous():
+            dst.copy_(src[at : at + num_bytes].view(dst.dtype).view(dst.shape))
+        else:  # take the destinations that continue this one, up to the end of its storage
+            end, limit = dst.data_ptr() + num_bytes, _end_of_storage(dst)
+            while i < len(dsts) and (
+                not dsts[i].nbytes
+                or (
+                    dsts[i].data_ptr() == end
+                    and end + dsts[i].nbytes <= limit
+                    and dsts[i].is_contiguous()
+                )
+            ):
+                end += dsts[i].nbytes
+                num_bytes += dsts[i].nbytes
+                i += 1
+            _byte_range(dst, num_bytes).copy_(src[at : at + num_bytes])
+        copies += 1
+        at += num_bytes
+    return copies
