@@ -102,15 +102,14 @@ def main() -> None:
     figure("alloc_and_free_slots", timed(free_slots))
     whole = torch.empty(size * num_slots, dtype=torch.uint8, device="cuda")
     slots = [whole[i * size : (i + 1) * size] for i in range(num_slots)]
-    by_name = {m.name: dst for m, dst in zip(metas, dsts, strict=True)}
 
     def pack_unpack(slots: list[torch.Tensor] = slots) -> None:
         partial: dict[int, torch.Tensor] = {}
         for i, bucket in enumerate(plan.buckets):
             for piece in bucket.pieces:
                 pack_piece(slots[i % num_slots], piece, srcs[piece.tensor_index])
-            for name, tensor in unpack_bucket(slots[i % num_slots], bucket, plan, partial):
-                by_name[name].copy_(tensor)
+            for index, tensor in unpack_bucket(slots[i % num_slots], bucket, plan, partial):
+                dsts[index].copy_(tensor)
 
     figure("pack_unpack_one_process", timed(pack_unpack), num_buckets=len(plan.buckets))
     whole.untyped_storage().resize_(0)

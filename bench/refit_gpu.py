@@ -4,8 +4,8 @@ The sender streams random bf16 GPU tensors shaped like a Qwen2 1.5B / 8B model (
 shapes from a ``Qwen2Config`` on the meta device; nothing touches disk), laid out as a
 trainer's after ``onload()`` (``trainer_like_state``). A receiver in a spawned process copies
 every tensor into parameters it preallocated on the same GPU, as
-``HfGenerator.receive_weights`` does (one ``copy_tensors`` per bucket; the parameters laid out
-as ``HfGenerator`` lays out its own), and returns a checksum.
+``HfGenerator.receive_weights`` does (``RefitReceiver.copy_into``; the parameters laid out as
+``HfGenerator`` lays out its own), and returns a checksum and its number of copies.
 
 The clock runs from ``send()`` until every byte has landed, with the receiver holding the spec
 (``spec_handoff_ms``: the queue that carries it here, a Ray call in tandem, is timed apart).
@@ -89,10 +89,9 @@ def _receiver(specs: Any, results: Any) -> None:
             torch.cuda.empty_cache()
             params = generator_params(metas)
         results.put("receiving")
-        for batch in make_receiver(spec, "cuda:0").iter_buckets():
-            copy_tensors([params[name] for name, _ in batch], [t for _, t in batch])
+        copies = make_receiver(spec, "cuda:0").copy_into([params[m.name] for m in metas])
         torch.cuda.synchronize()
-        results.put(checksum(params[m.name] for m in metas))
+        results.put((checksum(params[m.name] for m in metas), copies))
 
 
 @contextlib.contextmanager
@@ -163,7 +162,7 @@ def bench_model(
     for mib, live in runs_of:
         config = SimpleNamespace(transport="colocated", bucket_bytes=mib * 2**20)
         sender = make_sender(config, "cuda:0", timeout_s=300)  # type: ignore[arg-type]
-        runs, handoffs = [], []
+        runs, handoffs, copies = [], [], 0
         for _ in range(3):  # the first also opens the IPC handles and warms the allocator
             spec = sender.prepare(metas)
             start = time.perf_counter()
@@ -171,7 +170,7 @@ def bench_model(
             assert results.get(timeout=300) == "receiving"
             handoffs.append(time.perf_counter() - start)
             runs.append(sender.send(iter(state.items()), live=live))
-            got = results.get(timeout=300)
+            got, copies = results.get(timeout=300)
             assert got == expected, f"receiver checksum {got} != {expected}"
         sender.close()
         best = max(runs[1:], key=lambda run: run.gb_per_s)
@@ -184,6 +183,7 @@ def bench_model(
                 "gb": round(num_bytes / 1e9, 2),
                 "bucket_mib": mib,
                 "num_buckets": best.num_buckets,
+                "receiver_copies": copies,
                 "value": round(best.gb_per_s, 1),
                 "ms": round(best.seconds * 1e3, 2),
                 "attach_ms": round(best.attach_seconds * 1e3, 2),

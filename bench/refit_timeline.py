@@ -22,11 +22,11 @@ import torch
 from ceilings import emit
 from refit_gpu import SHAPES, generator_params, metadata, receiver_process, trainer_like_state
 
-from tandem.weight_sync import colocated, copy_tensors, make_receiver, make_sender
+from tandem.weight_sync import colocated, make_receiver, make_sender
 
 SPANS: list[tuple[str, float, float]] = []
 SENDER_STEPS = ("_attach", "_publish", "_wait_slot", "_end", "_release")
-RECEIVER_STEPS = ("_wait_bucket", "_live_views", "_map_buffers", "_done_bucket", "_end")
+RECEIVER_STEPS = ("_wait_bucket", "_copy_in_place", "_map_buffers", "_done_bucket", "_end")
 
 
 def timed(owner: Any, name: str) -> None:
@@ -56,10 +56,7 @@ def _receiver(specs: Any, results: Any) -> None:
         metas, spec = message
         params = params or generator_params(metas)
         SPANS.clear()
-        for batch in make_receiver(spec, "cuda:0").iter_buckets():
-            start = time.perf_counter()
-            copy_tensors([params[name] for name, _ in batch], [t for _, t in batch])
-            SPANS.append(("copy", start, time.perf_counter()))
+        make_receiver(spec, "cuda:0").copy_into([params[m.name] for m in metas])
         results.put(list(SPANS))
 
 
@@ -91,7 +88,7 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, stats: Any, spans: list[Any], start: float) -> None:
-    """One JSON line of summed phases, then the steps in order (copies left out)."""
+    """One JSON line of summed phases, then the steps in order."""
     totals: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.defaultdict(int)
     for name, a, b in spans:
@@ -108,7 +105,7 @@ def report(args: argparse.Namespace, stats: Any, spans: list[Any], start: float)
             "calls": dict(sorted(counts.items())),
         }
     )
-    steps = sorted((s for s in spans if s[0] != "R copy"), key=lambda s: s[1])
+    steps = sorted(spans, key=lambda s: s[1])
     print(json.dumps([f"{n} {1e3 * (a - start):.2f}-{1e3 * (b - start):.2f}" for n, a, b in steps]))
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tandem.weight_sync import copy_tensors, make_receiver, make_sender, metadata_of
+from tandem.weight_sync import device_copies, make_receiver, make_sender, metadata_of
 from tandem.weight_sync.buckets import flat_bytes
 
 pytestmark = [
@@ -58,9 +58,8 @@ def _receiver_main(rank: int, device: str, specs: Any, results: Any) -> None:
         receiver = make_receiver(spec, device, rank)
         if spec.refit_id == 1:
             _load(receiver.iter_weights(), params, device)
-        else:  # as HfGenerator.receive_weights: one batched copy per bucket
-            for batch in receiver.iter_buckets():
-                copy_tensors([params[n] for n, _ in batch], [t for _, t in batch])
+        else:  # as HfGenerator.receive_weights
+            receiver.copy_into([params[meta.name] for meta in spec.plan.tensors])
             torch.cuda.synchronize()
         bad = [
             n for n, t in expected.items() if not torch.equal(flat_bytes(params[n]), flat_bytes(t))
@@ -106,6 +105,67 @@ def test_colocated_cuda_ipc_two_processes_one_gpu() -> None:
 
 def test_colocated_live_tensors_are_read_in_place() -> None:
     _run("colocated", "cuda:0", "cuda:0", live=True)
+
+
+def laid_out_state(seed: int) -> dict[str, torch.Tensor]:
+    """Tensors laid out as a trainer's parameters after ``onload()``: back to back in one
+    allocation (every size a multiple of the 256-byte alignment: no gaps), one split over three
+    buckets."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {"embed.weight": torch.randn(1024, 384, generator=gen).to(torch.bfloat16)}
+    tensors["big.weight"] = torch.randn(600, 1024, generator=gen)  # 2.4 MB: 3 buckets
+    for i in range(6):
+        tensors[f"layers.{i}.w"] = torch.randn(256, 512, generator=gen).to(torch.bfloat16)
+        tensors[f"layers.{i}.norm"] = torch.randn(512, generator=gen).to(torch.bfloat16)
+    cuda = torch.device("cuda", 0)
+    return dict(zip(tensors, device_copies(list(tensors.values()), cuda), strict=True))
+
+
+def _laid_out_receiver(specs: Any, results: Any) -> None:
+    torch.cuda.set_device(0)
+    results.put("ready")
+    while (spec := specs.get()) is not None:
+        expected = laid_out_state(spec.refit_id)
+        zeros = [torch.zeros(m.shape, dtype=m.dtype) for m in spec.plan.tensors]
+        targets = device_copies(zeros, torch.device("cuda", 0))  # as HfGenerator's parameters
+        copies = make_receiver(spec, "cuda:0").copy_into(targets)
+        torch.cuda.synchronize()
+        bad = [
+            m.name
+            for m, t in zip(spec.plan.tensors, targets, strict=True)
+            if not torch.equal(flat_bytes(t), flat_bytes(expected[m.name]))
+        ]
+        results.put((copies, bad))
+
+
+def test_live_refit_between_laid_out_models_is_one_copy_per_bucket() -> None:
+    """Trainer and generator both lay their parameters out back to back: the trainer announces
+    each bucket as one run of its memory and the generator copies it with one launch, without a
+    tensor per parameter. A split tensor is copied once, in the bucket of its last piece."""
+    ctx = mp.get_context("spawn")
+    specs, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_laid_out_receiver, args=(specs, results))
+    proc.start()
+    try:
+        assert results.get(timeout=120) == "ready"
+        config = SimpleNamespace(transport="colocated", bucket_bytes=BUCKET_BYTES)
+        sender = make_sender(config, "cuda:0", timeout_s=60)  # type: ignore[arg-type]
+        for refit_id in (1, 2):
+            state = laid_out_state(refit_id)
+            torch.cuda.synchronize()
+            spec = sender.prepare(metadata_of(state.items()))
+            specs.put(spec)
+            stats = sender.send(iter(state.items()), live=True)
+            assert stats.in_place_bytes == stats.num_bytes
+            completing = [b for b in spec.plan.buckets if any(p.is_last for p in b.pieces)]
+            assert len(spec.plan.buckets) > len(completing) > 3
+            assert results.get(timeout=120) == (len(completing), [])
+        sender.close()
+    finally:
+        specs.put(None)
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL split needs two GPUs")

@@ -187,6 +187,32 @@ def test_consumer_stopping_early_fails_the_sender_fast() -> None:
     assert _leftover_shm() == []
 
 
+def test_copy_into_lands_every_tensor_and_names_a_wrong_target() -> None:
+    """``copy_into`` fills the targets bit-exact; a target of the wrong shape fails the
+    receiver with the tensor's name, and the sender fast (not by timeout)."""
+    sender = _sender("colocated")
+    state = random_state_dict(0)
+    spec = sender.prepare(metadata_of(state.items()))
+    thread, outcome = _send_in_thread(sender, iter(state.items()))
+    targets = [torch.zeros_like(t) for t in state.values()]
+    assert make_receiver(spec, "cpu").copy_into(targets) >= len(spec.plan.buckets)
+    thread.join(timeout=30)
+    for target, tensor in zip(targets, state.values(), strict=True):
+        assert torch.equal(flat_bytes(target), flat_bytes(tensor))
+    spec = sender.prepare(metadata_of(state.items()))
+    thread, outcome = _send_in_thread(sender, iter(state.items()))
+    start = time.monotonic()
+    targets[5] = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"'layers\.1\.q\.weight' is \(3,\)"):
+        make_receiver(spec, "cpu").copy_into(targets)
+    thread.join(timeout=30)
+    assert isinstance(outcome["error"], RefitError), outcome
+    assert time.monotonic() - start < TIMEOUT_S
+    with pytest.raises(ValueError, match="2 targets for a refit of"):  # before any signal
+        make_receiver(spec, "cpu").copy_into(targets[:2])
+    assert _leftover_shm() == []
+
+
 def test_empty_stream_and_auto_transport() -> None:
     sender = _sender("colocated")
     spec = sender.prepare([])

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
-from tandem.weight_sync import copy_tensors, device_copies, make_receiver
+from tandem.weight_sync import device_copies, make_receiver
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,8 +33,9 @@ class _Sample:
     done: bool = False
 
 
-def _target(state: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """The model's tensor that ``(name, tensor)`` of a weight stream updates."""
+def _target(state: dict[str, torch.Tensor], name: str, tensor: Any) -> torch.Tensor:
+    """The model's tensor that ``(name, tensor)`` of a weight stream updates (``tensor``: a
+    tensor or a ``TensorMeta``; only its shape is read)."""
     if name not in state:
         raise ValueError(
             f"load_weights: {name!r} is not a parameter of the model "
@@ -211,10 +212,11 @@ class HfGenerator(Generator):
 
     @torch.no_grad()
     def receive_weights(self, spec: Any, first_rank: int = 1) -> None:
-        """As ``load_weights`` of the refit's stream, with one batched copy per bucket."""
+        """As ``load_weights`` of the refit's stream, with batched copies per bucket
+        (``RefitReceiver.copy_into``)."""
         state = self.model.state_dict()
-        for batch in make_receiver(spec, self.device, rank=first_rank).iter_buckets():
-            copy_tensors([_target(state, name, t) for name, t in batch], [t for _, t in batch])
+        targets = [_target(state, meta.name, meta) for meta in spec.plan.tensors]
+        make_receiver(spec, self.device, rank=first_rank).copy_into(targets)
 
     def shutdown(self) -> None:
         del self.model

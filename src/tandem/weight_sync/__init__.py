@@ -6,7 +6,8 @@ spec = sender.prepare(metadata)                  # picklable RefitSpec
 sender.send(weight_stream)                       # concurrently with, in each generator worker:
 for name, tensor in make_receiver(spec, device, rank).iter_weights(): ...
 ```
-(``iter_buckets()`` yields the same tensors a bucket at a time, for batched copies.)
+(``iter_buckets()`` yields the same tensors a bucket at a time, for batched copies;
+``copy_into(targets)`` copies them into the tensors given, in runs where both sides allow.)
 The transport (``colocated`` or ``split``) is chosen here from the config; callers never branch
 on it. Nothing in this package imports vLLM or Ray.
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Collection, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -18,14 +18,17 @@ import torch
 import torch.distributed as dist
 
 from tandem.weight_sync.buckets import (
+    Bucket,
     BucketPlan,
     Piece,
     TensorMeta,
+    check_target,
     check_tensor,
     pack_piece,
     plan_buckets,
     unpack_bucket,
 )
+from tandem.weight_sync.copies import copy_tensors
 
 NUM_SLOTS = 2
 """Buffers that alternate: bucket i+1 is packed while bucket i is in flight."""
@@ -314,7 +317,8 @@ class RefitReceiver:
     ``reload_weights``). Tensors split across buckets are yielded as owned tensors. In a live
     colocated refit on CUDA, tensors are views into the trainer's own memory, valid until the
     iterator ends. Colocated on CUDA, the iterator unmaps the trainer's memory when it ends:
-    a view used after that reads unmapped memory.
+    a view used after that reads unmapped memory. ``copy_into(targets)`` receives straight
+    into the consumer's tensors instead (no views handed out).
     """
 
     def __init__(self, spec: RefitSpec, device: torch.device, rank: int) -> None:
@@ -336,14 +340,52 @@ class RefitReceiver:
         """The tensors of ``iter_weights()``, one list per bucket (those the bucket completes),
         so that a consumer can batch its copies (``copy_tensors``). A list is valid until the
         next one is requested, as the views of ``iter_weights()`` are."""
-        spec = self.spec
+        plan = self.spec.plan
         partial: dict[int, torch.Tensor] = {}
+        with contextlib.closing(self._received()) as received:
+            for bucket, buffer in received:
+                in_place = self._in_place()
+                yield [
+                    (plan.tensors[i].name, self._in_place_view(i) if tensor is None else tensor)
+                    for i, tensor in unpack_bucket(buffer, bucket, plan, partial, in_place)
+                ]
+
+    def copy_into(self, targets: Sequence[torch.Tensor]) -> int:
+        """Receive the refit into ``targets``: ``targets[i]`` takes the stream's tensor ``i``
+        (``spec.plan.tensors[i]``, whose shape and dtype it must have). The copies are batched
+        per bucket (``copy_tensors``); what a colocated sender shares in place is copied in runs
+        straight out of its memory, with no tensor made per parameter. Returns the number of
+        copies launched. The copies are enqueued on the current stream when this returns."""
+        plan = self.spec.plan
+        if len(targets) != len(plan.tensors):
+            raise ValueError(
+                f"copy_into: {len(targets)} targets for a refit of {len(plan.tensors)} tensors"
+            )
+        copies = 0
+        partial: dict[int, torch.Tensor] = {}
+        with contextlib.closing(self._received()) as received:
+            for bucket, buffer in received:
+                copies += self._copy_in_place(bucket, targets)
+                in_place = self._in_place()
+                if len(in_place) == len(bucket.pieces):
+                    continue  # nothing packed
+                pairs = [
+                    (check_target(plan.tensors[i], targets[i]), tensor)
+                    for i, tensor in unpack_bucket(buffer, bucket, plan, partial, in_place)
+                    if tensor is not None
+                ]
+                if pairs:
+                    copies += copy_tensors([dst for dst, _ in pairs], [src for _, src in pairs])
+        return copies
+
+    def _received(self) -> Generator[tuple[Bucket, torch.Tensor], None, None]:
+        """Each bucket with the buffer holding its packed pieces, until the consumer asks for
+        the next one; the receiver's signals around them (ends them on an early stop too)."""
         completed = False
         try:
             self._begin()
-            for i, bucket in enumerate(spec.plan.buckets):
-                buffer = self._wait_bucket(i)
-                yield list(unpack_bucket(buffer, bucket, spec.plan, partial, self._in_place()))
+            for i, bucket in enumerate(self.spec.plan.buckets):
+                yield bucket, self._wait_bucket(i)
                 self._done_bucket(i)
             completed = True
         finally:
@@ -359,9 +401,18 @@ class RefitReceiver:
     def _done_bucket(self, index: int) -> None:
         raise NotImplementedError
 
-    def _in_place(self) -> dict[int, torch.Tensor]:
-        """Tensors of the current bucket the sender shared in place, by tensor index."""
-        return {}
+    def _in_place(self) -> Collection[int]:
+        """Indices of the current bucket's tensors that the sender shared in place."""
+        return ()
+
+    def _in_place_view(self, index: int) -> torch.Tensor:
+        """Tensor ``index`` (one of ``_in_place()``) where the sender holds it."""
+        raise NotImplementedError
+
+    def _copy_in_place(self, bucket: Bucket, targets: Sequence[torch.Tensor]) -> int:
+        """Copy the tensors ``bucket`` completes that were shared in place into their targets;
+        returns the number of copies."""
+        return 0
 
     def _end(self, completed: bool) -> None:
         raise NotImplementedError

@@ -12,7 +12,8 @@ ranges of its flat storage); the receiver assembles it into a tensor of its own.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import functools
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,11 @@ class Piece:
     def is_whole(self) -> bool:
         return self.num_bytes == self.tensor_bytes
 
+    @property
+    def is_last(self) -> bool:
+        """Whether this piece completes its tensor."""
+        return self.tensor_start + self.num_bytes == self.tensor_bytes
+
 
 @dataclass(frozen=True)
 class Bucket:
@@ -69,10 +75,15 @@ class BucketPlan:
     buckets: tuple[Bucket, ...]
     bucket_bytes: int
 
+    @functools.cached_property
+    def sizes(self) -> tuple[int, ...]:
+        """Bytes of every tensor, in stream order."""
+        return tuple(meta.num_bytes for meta in self.tensors)
+
     @property
     def total_bytes(self) -> int:
         """Payload bytes of the stream (without alignment padding)."""
-        return sum(meta.num_bytes for meta in self.tensors)
+        return sum(self.sizes)
 
 
 def _align(offset: int) -> int:
@@ -163,30 +174,39 @@ def unpack_bucket(
     bucket: Bucket,
     plan: BucketPlan,
     partial: dict[int, torch.Tensor],
-    in_place: dict[int, torch.Tensor] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the tensors a bucket completes: views for whole tensors, assembled tensors (owned)
-    for split ones. ``partial`` carries split tensors from one bucket to the next.
-    ``in_place``: tensors the sender did not pack (read where they live), by tensor index;
-    each is yielded with its last piece."""
+    in_place: Container[int] = (),
+) -> Iterator[tuple[int, torch.Tensor | None]]:
+    """Yield ``(tensor index, tensor)`` for the tensors a bucket completes: views for whole
+    tensors, assembled tensors (owned) for split ones. ``partial`` carries split tensors from one
+    bucket to the next. ``in_place``: indices of tensors the sender did not pack (read where they
+    live); each is yielded with its last piece, as ``None``."""
     for piece in bucket.pieces:
-        meta = plan.tensors[piece.tensor_index]
-        if in_place and piece.tensor_index in in_place:
-            if piece.tensor_start + piece.num_bytes == piece.tensor_bytes:
-                yield meta.name, in_place[piece.tensor_index]
+        index = piece.tensor_index
+        meta = plan.tensors[index]
+        if index in in_place:
+            if piece.is_last:
+                yield index, None
             continue
         if piece.is_whole:
-            yield meta.name, piece_view(buffer, piece, meta)
+            yield index, piece_view(buffer, piece, meta)
             continue
-        if piece.tensor_index not in partial:
-            partial[piece.tensor_index] = torch.empty(
-                meta.shape, dtype=meta.dtype, device=buffer.device
-            )
-        target = partial[piece.tensor_index]
+        if index not in partial:
+            partial[index] = torch.empty(meta.shape, dtype=meta.dtype, device=buffer.device)
+        target = partial[index]
         src = buffer[piece.bucket_offset : piece.bucket_offset + piece.num_bytes]
         flat_bytes(target)[piece.tensor_start : piece.tensor_start + piece.num_bytes].copy_(src)
-        if piece.tensor_start + piece.num_bytes == meta.num_bytes:
-            yield meta.name, partial.pop(piece.tensor_index)
+        if piece.is_last:
+            yield index, partial.pop(index)
+
+
+def check_target(meta: TensorMeta, target: torch.Tensor) -> torch.Tensor:
+    """``target`` if it can receive tensor ``meta`` of a refit, else ValueError naming both."""
+    if target.dtype != meta.dtype or target.shape != meta.shape:
+        raise ValueError(
+            f"refit target of {meta.name!r} is {tuple(target.shape)} {target.dtype} but the "
+            f"weight stream has {meta.shape} {meta.dtype}"
+        )
+    return target
 
 
 def check_tensor(meta: TensorMeta, name: str, tensor: torch.Tensor) -> None:

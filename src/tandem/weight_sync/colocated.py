@@ -15,10 +15,12 @@ signalling and the receiver's copies overlap. An event waited on is always recor
 store signal that names bucket ``i`` is set only after the record.
 
 A live stream on CUDA (``send(stream, live=True)``: the trainer's own parameters) is mostly
-not packed: the ``ready`` signal of a bucket names, for each of its tensors, the allocator
-segment of the trainer it lives in and its offset, and carries the IPC handle of a segment the
-first time it is named. Receivers map each segment once per refit and copy the tensors straight
-out of the trainer's memory: one copy per byte instead of two (``cuda_ipc``). Still packed: a
+not packed: the ``ready`` signal of a bucket names runs of its tensors that lie back to back
+in the trainer's memory (first tensor, count, allocator segment, offset; a trainer after
+``onload()`` has a run per bucket), and carries the IPC handle of a segment the first time it
+is named. Receivers map each segment once per refit and copy the tensors straight out of the
+trainer's memory: one copy per byte instead of two (``cuda_ipc``), and with ``copy_into`` one
+launch per run where their own tensors lie back to back too. Still packed: a
 tensor that is not contiguous, not on the device, or in memory CUDA IPC cannot share. On CUDA
 the bucket memory is allocated (and announced in a ``ready`` signal, then mapped) only once a
 bucket holds a packed tensor: a refit read wholly in place allocates nothing.
@@ -35,6 +37,7 @@ import tempfile
 import time
 import uuid
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -51,7 +54,8 @@ from tandem.weight_sync.base import (
     slot_layout,
     wait_signals,
 )
-from tandem.weight_sync.buckets import BucketPlan, Piece
+from tandem.weight_sync.buckets import Bucket, BucketPlan, Piece, check_target
+from tandem.weight_sync.copies import copy_from_bytes
 from tandem.weight_sync.cuda_ipc import CudaIpcError, SegmentTable, close_segment, open_segment
 
 logger = logging.getLogger(__name__)
@@ -104,6 +108,8 @@ class ColocatedSender(RefitSender):
         self._consumed: list[list[Any]] = []  # per receiver, per slot: its copies' event (CUDA)
         self._segments = SegmentTable(device)  # where live tensors are (CUDA)
         self._shared: dict[str, Any] = {}  # of the bucket being packed: what _publish announces
+        self._run: list[int] = []  # the open run of in-place tensors: first, count, segment, offset
+        self._run_next = self._run_end = -1  # where its next tensor must start; its segment's end
         self._slot_layout = (0, 0)  # bytes of one slot, number of slots
 
     def _make_spec(self, refit_id: int, plan: BucketPlan) -> RefitSpec:
@@ -193,7 +199,23 @@ class ColocatedSender(RefitSender):
         return segment, offset
 
     def _share(self, index: int, piece: Piece, tensor: torch.Tensor) -> bool:
-        if self.device.type != "cuda" or not tensor.is_cuda or not tensor.is_contiguous():
+        if self.device.type != "cuda":
+            return False
+        ptr = tensor.data_ptr()
+        run = self._run
+        # The hot path: the next tensor of the stream starts where the open run ends. (A
+        # pointer inside one of this device's segments is memory of this device.)
+        if (
+            run
+            and ptr == self._run_next
+            and piece.tensor_index == run[0] + run[1]
+            and ptr + piece.tensor_bytes <= self._run_end
+            and tensor.is_contiguous()
+        ):
+            run[1] += 1
+            self._run_next = ptr + piece.tensor_bytes
+            return True
+        if not tensor.is_cuda or not tensor.is_contiguous():
             return False
         device_index = self.device.index
         if device_index is None:
@@ -202,10 +224,13 @@ class ColocatedSender(RefitSender):
             return False
         # A segment may also hold the buckets: opening it twice is fine (the driver counts).
         try:
-            segment, offset = self._announce(tensor.data_ptr())
+            segment, offset = self._announce(ptr)
         except CudaIpcError:  # not cudaMalloc'd memory (another allocator): pack it
             return False
-        self._shared.setdefault("tensors", {})[piece.tensor_index] = [segment, offset]
+        self._run = [piece.tensor_index, 1, segment, offset]
+        self._shared.setdefault("runs", []).append(self._run)
+        self._run_next = ptr + piece.tensor_bytes
+        self._run_end = ptr - offset + self._segments.by_id[segment].size
         return True
 
     def _publish(self, spec: RefitSpec, index: int, slot: int, num_bytes: int) -> None:
@@ -213,7 +238,7 @@ class ColocatedSender(RefitSender):
             # also orders the receivers' reads of live tensors after the trainer's last writes
             self._packed[slot].record(torch.cuda.current_stream(self.device))
         value = json.dumps(self._shared) if self._shared else "1"
-        self._shared = {}
+        self._shared, self._run = {}, []
         self._store.set(_key(spec.refit_id, "ready", index), value)
 
     def _wait_slot(self, spec: RefitSpec, index: int) -> None:
@@ -250,7 +275,7 @@ class ColocatedSender(RefitSender):
         allocated = bool(self._buffers)
         self._buffers = []
         self._packed, self._consumed = [], []
-        self._segments, self._shared = SegmentTable(self.device), {}
+        self._segments, self._shared, self._run = SegmentTable(self.device), {}, []
         _unlink_all(self._paths)
         self._paths.clear()
         if self.device.type == "cuda" and allocated:  # hand the slots' memory back
@@ -272,7 +297,9 @@ class ColocatedReceiver(RefitReceiver):
         self._slots_at: tuple[int, int] | None = None  # segment and offset of the slots (CUDA)
         self._known: dict[int, tuple[str, int]] = {}  # the trainer's segments: handle, size
         self._mapped: dict[int, tuple[int, torch.Tensor]] = {}  # those opened: pointer, bytes
-        self._views: dict[int, torch.Tensor] = {}  # live tensors of the current bucket
+        self._runs: list[list[int]] = []  # of the current bucket: first, count, segment, offset
+        self._shared_here: set[int] = set()  # the tensors of those runs
+        self._located: dict[int, tuple[int, int]] = {}  # where they are: segment, offset
         self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # segments as a dtype
         if spec.device_type == "cpu":
             (path,) = spec.buffers
@@ -312,29 +339,46 @@ class ColocatedReceiver(RefitReceiver):
             self._known[int(segment)] = (handle, size)
         if "buffers" in shared:
             self._slots_at = tuple(shared["buffers"])  # type: ignore[assignment]
-        self._views = self._live_views(shared.get("tensors", {}))
-        if all(piece.tensor_index in self._views for piece in self.spec.plan.buckets[index].pieces):
+        self._runs, self._located = shared.get("runs", []), {}
+        self._shared_here = set().union(*(range(run[0], run[0] + run[1]) for run in self._runs))
+        if len(self._shared_here) == len(self.spec.plan.buckets[index].pieces):
             return torch.empty(0, dtype=torch.uint8, device=self.device)  # nothing packed
         if not self._buffers:
             self._map_buffers()
         return self._buffers[index % NUM_SLOTS]
 
-    def _live_views(self, tensors: dict[str, Any]) -> dict[int, torch.Tensor]:
-        """Views into the trainer's segments of the live tensors a bucket names."""
-        views = {}
-        for index, (segment, offset) in tensors.items():
-            meta = self.spec.plan.tensors[int(index)]
-            typed = self._typed.get((segment, meta.dtype))
-            if typed is None:  # one view per segment and dtype; a tensor is then one as_strided
-                raw = self._segment(segment)
-                typed = raw[: raw.numel() - raw.numel() % meta.dtype.itemsize].view(meta.dtype)
-                self._typed[(segment, meta.dtype)] = typed
-            strides = _contiguous_strides(meta.shape)
-            views[int(index)] = typed.as_strided(meta.shape, strides, offset // meta.dtype.itemsize)
-        return views
+    def _in_place(self) -> set[int]:
+        return self._shared_here
 
-    def _in_place(self) -> dict[int, torch.Tensor]:
-        return self._views
+    def _in_place_view(self, index: int) -> torch.Tensor:
+        if not self._located:  # where every tensor of the bucket's runs is
+            sizes = self.spec.plan.sizes
+            for first, count, segment, offset in self._runs:
+                for i in range(first, first + count):
+                    self._located[i] = (segment, offset)
+                    offset += sizes[i]
+        meta = self.spec.plan.tensors[index]
+        segment, offset = self._located[index]
+        typed = self._typed.get((segment, meta.dtype))
+        if typed is None:  # one view per segment and dtype; a tensor is then one as_strided
+            raw = self._segment(segment)
+            typed = raw[: raw.numel() - raw.numel() % meta.dtype.itemsize].view(meta.dtype)
+            self._typed[(segment, meta.dtype)] = typed
+        strides = _contiguous_strides(meta.shape)
+        return typed.as_strided(meta.shape, strides, offset // meta.dtype.itemsize)
+
+    def _copy_in_place(self, bucket: Bucket, targets: Sequence[torch.Tensor]) -> int:
+        plan, copies = self.spec.plan, 0
+        last = bucket.pieces[-1]
+        for first, count, segment, offset in self._runs:
+            end = first + count
+            if end - 1 == last.tensor_index and not last.is_last:
+                end -= 1  # a split tensor whose last piece is still to come: copied then
+            dsts = [check_target(plan.tensors[i], targets[i]) for i in range(first, end)]
+            num_bytes = sum(plan.sizes[first:end])
+            raw = self._segment(segment)[offset : offset + num_bytes]
+            copies += copy_from_bytes(dsts, raw)
+        return copies
 
     def _done_bucket(self, index: int) -> None:
         if self.device.type == "cuda":  # the consumers' copies of this slot are enqueued
@@ -345,7 +389,7 @@ class ColocatedReceiver(RefitReceiver):
         self._buffers, self._packed, self._consumed = [], [], []
         if self.device.type == "cuda":  # every copy out of the trainer's buffers has finished
             torch.cuda.synchronize(self.device)
-        self._views, self._typed = {}, {}
+        self._runs, self._shared_here, self._located, self._typed = [], set(), {}, {}
         for ptr, _ in getattr(self, "_mapped", {}).values():
             try:  # before "released": the trainer may free the memory after it
                 close_segment(ptr, self.device)
