@@ -33,7 +33,14 @@ import torch.multiprocessing as mp
 from ceilings import QWEN_1P5B, QWEN_8B, emit, measure_ceilings, qwen2_config
 
 from tandem.trainer.offload import reserve_segment
-from tandem.weight_sync import TensorMeta, copy_tensors, device_copies, make_receiver, make_sender
+from tandem.weight_sync import (
+    TensorMeta,
+    buckets,
+    copy_tensors,
+    device_copies,
+    make_receiver,
+    make_sender,
+)
 
 SHAPES = {"1.5b": QWEN_1P5B, "8b": QWEN_8B}
 
@@ -182,6 +189,7 @@ def bench_model(
                 "in_place": round(best.in_place_bytes / num_bytes, 3),
                 "gb": round(num_bytes / 1e9, 2),
                 "bucket_mib": mib,
+                "ramp": bool(buckets.RAMP),
                 "num_buckets": best.num_buckets,
                 "receiver_copies": copies,
                 "value": round(best.gb_per_s, 1),
@@ -204,7 +212,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=["1.5b", "8b"], choices=sorted(SHAPES))
     parser.add_argument("--buckets-mib", type=int, nargs="+", default=[64, 512, 1024, 2048])
+    parser.add_argument(
+        "--no-ramp", action="store_true", help="plan every bucket full size (buckets.RAMP = ())"
+    )
     args = parser.parse_args()
+    if args.no_ramp:  # a diagnostic: what the smaller first buckets are worth
+        buckets.RAMP = ()
     ceilings = measure_ceilings()
     emit({"figure": "d2d_copy_gb_s_read_plus_write", "value": round(ceilings["d2d_copy_gb_s"])})
     with receiver_process(_receiver) as (specs, results):
