@@ -7,8 +7,8 @@ import torch
 from tandem.weight_sync.buckets import ALIGN_BYTES, flat_bytes, plan_buckets
 from tandem.weight_sync.copies import (
     FOREACH_MAX_BYTES,
+    TargetRuns,
     coalesce,
-    copy_from_bytes,
     copy_tensors,
     device_copies,
 )
@@ -155,12 +155,14 @@ def test_copy_tensors_fuses_small_copies_and_still_copies_every_pair() -> None:
         copy_tensors(dsts, srcs[:-1])
 
 
-def test_copy_from_bytes_copies_runs_of_destinations_out_of_packed_bytes() -> None:
-    """A receiver copies a run of a sender's tensors (their bytes back to back) into its own:
+def test_target_runs_copy_ranges_of_destinations_out_of_packed_bytes() -> None:
+    """A receiver fills runs of its tensors from a sender's bytes (the tensors back to back):
     destinations back to back take one copy, a gap or a strided one starts another, empty ones
-    cost nothing, and no byte outside the destinations is written."""
+    cost nothing, a range may start or end inside a run, and no byte outside the destinations
+    is written."""
     gen = torch.Generator().manual_seed(4)
     values = [
+        torch.zeros(0, 5),  # empty, before any run
         torch.randn(64, generator=gen),  # 256 bytes
         torch.randn(8, 16, generator=gen).to(torch.bfloat16),  # 256 bytes
         torch.zeros(0, 5),
@@ -171,11 +173,12 @@ def test_copy_from_bytes_copies_runs_of_destinations_out_of_packed_bytes() -> No
     ]
     src = torch.cat([flat_bytes(v) for v in values])
     dsts = device_copies([torch.zeros_like(v) for v in values], CPU)
-    dsts[5] = torch.zeros(6, 4).t()
-    arena = torch.empty(0, dtype=torch.uint8).set_(dsts[0].untyped_storage())
+    dsts[6] = torch.zeros(6, 4).t()
+    arena = torch.empty(0, dtype=torch.uint8).set_(dsts[1].untyped_storage())
     arena.fill_(0xAB)
-    # 0, 1 (and the empty 2), 3 | gap | 4 | strided 5 | 6 (its own: the strided one broke the run)
-    assert copy_from_bytes(dsts, src) == 4
+    runs = TargetRuns(dsts)
+    assert runs.run_starts == [1, 5, 6, 7]  # 1-4 | gap | 5 | strided 6 | 7
+    assert runs.copy(0, len(dsts), src) == 4
     for dst, value in zip(dsts, values, strict=True):
         assert torch.equal(dst, value)
     covered = torch.zeros(arena.numel(), dtype=torch.bool)
@@ -184,5 +187,12 @@ def test_copy_from_bytes_copies_runs_of_destinations_out_of_packed_bytes() -> No
             start = dst.data_ptr() - arena.data_ptr()
             covered[start : start + dst.nbytes] = True
     assert bool((arena[~covered] == 0xAB).all())
+    # Ranges inside runs, as buckets cut them: tensors 2..5 are two copies (part of a run, 5).
+    for dst in dsts:
+        dst.zero_()
+    assert runs.copy(2, 6, src[runs.starts[2] : runs.starts[6]]) == 2
+    assert all(bool(d.eq(0).all()) for d in dsts[:2] + dsts[6:])
+    assert all(torch.equal(d, v) for d, v in zip(dsts[2:6], values[2:6], strict=True))
+    assert runs.copy(3, 4, src[:0]) == 0  # only an empty tensor
     with pytest.raises(ValueError, match="source bytes"):
-        copy_from_bytes(dsts, src[:-1])
+        runs.copy(0, len(dsts), src[:-1])

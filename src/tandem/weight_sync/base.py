@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Collection, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -28,7 +28,7 @@ from tandem.weight_sync.buckets import (
     plan_buckets,
     unpack_bucket,
 )
-from tandem.weight_sync.copies import copy_tensors
+from tandem.weight_sync.copies import TargetRuns, copy_tensors
 
 NUM_SLOTS = 2
 """Buffers that alternate: bucket i+1 is packed while bucket i is in flight."""
@@ -119,9 +119,24 @@ def serve_store(host: str, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def wait_signals(store: dist.Store, keys: list[str], timeout_s: float, what: str) -> list[bytes]:
-    """Wait for ``keys`` and return their values (one round trip: ``multi_get`` waits up to the
-    store's timeout, ``timeout_s``); raise RefitError naming ``what`` on timeout or an abort."""
+SPIN_S = 0.01
+"""How long a wait that usually blocks polls the store (``check``) before it blocks in
+``multi_get``. A blocked ``multi_get`` wakes ~0.1-0.3 ms after the key is set and makes that
+``set`` slower too; a poll sees the key within a round trip of ~30-100 µs
+(``bench/store_latency.py``). The poll costs one round trip more when the key is already
+there, so only the waits that usually block spin."""
+
+
+def wait_signals(
+    store: dist.Store, keys: list[str], timeout_s: float, what: str, spin: bool = False
+) -> list[bytes]:
+    """Wait for ``keys`` and return their values (``multi_get`` waits up to the store's timeout,
+    ``timeout_s``; with ``spin``, after polling for up to ``SPIN_S``); raise RefitError naming
+    ``what`` on timeout or an abort."""
+    if spin and SPIN_S:
+        deadline = time.perf_counter() + SPIN_S
+        while not store.check(keys) and time.perf_counter() < deadline:
+            pass
     try:
         values = store.multi_get(keys)
     except dist.DistStoreError as error:
@@ -354,23 +369,28 @@ class RefitReceiver:
         """Receive the refit into ``targets``: ``targets[i]`` takes the stream's tensor ``i``
         (``spec.plan.tensors[i]``, whose shape and dtype it must have). The copies are batched
         per bucket (``copy_tensors``); what a colocated sender shares in place is copied in runs
-        straight out of its memory, with no tensor made per parameter. Returns the number of
-        copies launched. The copies are enqueued on the current stream when this returns."""
+        straight out of its memory (``TargetRuns``), with no tensor made per parameter. Returns
+        the number of copies launched; they are enqueued on the current stream."""
         plan = self.spec.plan
         if len(targets) != len(plan.tensors):
             raise ValueError(
                 f"copy_into: {len(targets)} targets for a refit of {len(plan.tensors)} tensors"
             )
+        runs: list[TargetRuns] = []
+
+        def check_targets() -> None:  # while the sender walks its first bucket
+            runs.append(TargetRuns(list(map(check_target, plan.tensors, targets))))
+
         copies = 0
         partial: dict[int, torch.Tensor] = {}
-        with contextlib.closing(self._received()) as received:
+        with contextlib.closing(self._received(check_targets)) as received:
             for bucket, buffer in received:
-                copies += self._copy_in_place(bucket, targets)
+                copies += self._copy_in_place(bucket, runs[0])
                 in_place = self._in_place()
                 if len(in_place) == len(bucket.pieces):
                     continue  # nothing packed
                 pairs = [
-                    (check_target(plan.tensors[i], targets[i]), tensor)
+                    (targets[i], tensor)
                     for i, tensor in unpack_bucket(buffer, bucket, plan, partial, in_place)
                     if tensor is not None
                 ]
@@ -378,12 +398,17 @@ class RefitReceiver:
                     copies += copy_tensors([dst for dst, _ in pairs], [src for _, src in pairs])
         return copies
 
-    def _received(self) -> Generator[tuple[Bucket, torch.Tensor], None, None]:
+    def _received(
+        self, attached: Callable[[], None] = lambda: None
+    ) -> Generator[tuple[Bucket, torch.Tensor], None, None]:
         """Each bucket with the buffer holding its packed pieces, until the consumer asks for
-        the next one; the receiver's signals around them (ends them on an early stop too)."""
+        the next one; the receiver's signals around them (ends them on an early stop or an
+        error too, so the sender fails fast). ``attached`` runs once the receiver has attached,
+        before it waits for the first bucket."""
         completed = False
         try:
             self._begin()
+            attached()
             for i, bucket in enumerate(self.spec.plan.buckets):
                 yield bucket, self._wait_bucket(i)
                 self._done_bucket(i)
@@ -409,7 +434,7 @@ class RefitReceiver:
         """Tensor ``index`` (one of ``_in_place()``) where the sender holds it."""
         raise NotImplementedError
 
-    def _copy_in_place(self, bucket: Bucket, targets: Sequence[torch.Tensor]) -> int:
+    def _copy_in_place(self, bucket: Bucket, targets: TargetRuns) -> int:
         """Copy the tensors ``bucket`` completes that were shared in place into their targets;
         returns the number of copies."""
         return 0

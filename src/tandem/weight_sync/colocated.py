@@ -37,7 +37,6 @@ import tempfile
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -54,8 +53,8 @@ from tandem.weight_sync.base import (
     slot_layout,
     wait_signals,
 )
-from tandem.weight_sync.buckets import Bucket, BucketPlan, Piece, check_target
-from tandem.weight_sync.copies import copy_from_bytes
+from tandem.weight_sync.buckets import Bucket, BucketPlan, Piece
+from tandem.weight_sync.copies import TargetRuns
 from tandem.weight_sync.cuda_ipc import CudaIpcError, SegmentTable, close_segment, open_segment
 
 logger = logging.getLogger(__name__)
@@ -244,7 +243,8 @@ class ColocatedSender(RefitSender):
     def _wait_slot(self, spec: RefitSpec, index: int) -> None:
         self._attach(spec)
         keys = [_key(spec.refit_id, "done", index, rank) for rank in self._ranks()]
-        wait_signals(self._store, keys, spec.timeout_s, f"the receivers to finish bucket {index}")
+        what = f"the receivers to finish bucket {index}"
+        wait_signals(self._store, keys, spec.timeout_s, what, spin=True)
         if self.device.type == "cuda":  # the slot is packed again only after their copies
             stream = torch.cuda.current_stream(self.device)
             for events in self._consumed:
@@ -262,7 +262,8 @@ class ColocatedSender(RefitSender):
             for index in range(num_buckets):
                 self._store.delete_key(_key(spec.refit_id, "done", index, rank))
         keys = [_key(spec.refit_id, "released", rank) for rank in self._ranks()]
-        wait_signals(self._store, keys, spec.timeout_s, "the receivers to release the buffers")
+        what = "the receivers to release the buffers"
+        wait_signals(self._store, keys, spec.timeout_s, what, spin=True)
         for key in keys:
             self._store.delete_key(key)
 
@@ -299,6 +300,7 @@ class ColocatedReceiver(RefitReceiver):
         self._mapped: dict[int, tuple[int, torch.Tensor]] = {}  # those opened: pointer, bytes
         self._runs: list[list[int]] = []  # of the current bucket: first, count, segment, offset
         self._shared_here: set[int] = set()  # the tensors of those runs
+        self._nothing = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._located: dict[int, tuple[int, int]] = {}  # where they are: segment, offset
         self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # segments as a dtype
         if spec.device_type == "cpu":
@@ -331,7 +333,8 @@ class ColocatedReceiver(RefitReceiver):
     def _wait_bucket(self, index: int) -> torch.Tensor:
         key = _key(self.spec.refit_id, "ready", index)
         what = f"the trainer to pack bucket {index}"
-        (value,) = wait_signals(self._store, [key], self.spec.timeout_s, what)
+        # The first bucket is the one a receiver always waits for.
+        (value,) = wait_signals(self._store, [key], self.spec.timeout_s, what, spin=index == 0)
         if self.device.type == "cuda":  # consumers copy on the current stream, after the packing
             torch.cuda.current_stream(self.device).wait_event(self._packed[index % NUM_SLOTS])
         shared = {} if value == b"1" else json.loads(value)
@@ -342,7 +345,7 @@ class ColocatedReceiver(RefitReceiver):
         self._runs, self._located = shared.get("runs", []), {}
         self._shared_here = set().union(*(range(run[0], run[0] + run[1]) for run in self._runs))
         if len(self._shared_here) == len(self.spec.plan.buckets[index].pieces):
-            return torch.empty(0, dtype=torch.uint8, device=self.device)  # nothing packed
+            return self._nothing  # nothing packed
         if not self._buffers:
             self._map_buffers()
         return self._buffers[index % NUM_SLOTS]
@@ -367,17 +370,14 @@ class ColocatedReceiver(RefitReceiver):
         strides = _contiguous_strides(meta.shape)
         return typed.as_strided(meta.shape, strides, offset // meta.dtype.itemsize)
 
-    def _copy_in_place(self, bucket: Bucket, targets: Sequence[torch.Tensor]) -> int:
-        plan, copies = self.spec.plan, 0
-        last = bucket.pieces[-1]
+    def _copy_in_place(self, bucket: Bucket, targets: TargetRuns) -> int:
+        copies, last = 0, bucket.pieces[-1]
         for first, count, segment, offset in self._runs:
             end = first + count
             if end - 1 == last.tensor_index and not last.is_last:
                 end -= 1  # a split tensor whose last piece is still to come: copied then
-            dsts = [check_target(plan.tensors[i], targets[i]) for i in range(first, end)]
-            num_bytes = sum(plan.sizes[first:end])
-            raw = self._segment(segment)[offset : offset + num_bytes]
-            copies += copy_from_bytes(dsts, raw)
+            num_bytes = targets.starts[end] - targets.starts[first]  # the plan's sizes (checked)
+            copies += targets.copy(first, end, self._segment(segment)[offset : offset + num_bytes])
         return copies
 
     def _done_bucket(self, index: int) -> None:

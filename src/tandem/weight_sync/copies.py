@@ -10,12 +10,13 @@ tensor takes ~2 µs. Two things keep the launches few:
 - ``copy_tensors`` copies a run of pairs that sit back to back on both sides as one range of
   bytes, and fuses the small pairs left over into ``_foreach_copy_`` launches. Between two
   models laid out alike, or a packed bucket and such a model, a bucket is one copy.
-- ``copy_from_bytes`` does the same from a range of bytes that holds the tensors back to back,
+- ``TargetRuns`` does the same from a range of bytes that holds the tensors back to back,
   with no source tensors made: how a colocated receiver reads a run of a trainer's parameters.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import torch
@@ -137,37 +138,59 @@ def copy_tensors(
     return launches + len(fused)
 
 
-def copy_from_bytes(dsts: Sequence[torch.Tensor], src: torch.Tensor) -> int:
-    """Fill ``dsts``, in order, from the uint8 tensor ``src`` that holds their bytes back to
-    back (no gaps; ``src.numel()`` is their total). Destinations that lie back to back in one
-    storage take one byte copy together; a strided one gets a copy of its own. Returns the
-    number of copies. (A colocated receiver reads a run of a trainer's parameters this way,
-    without making a tensor per parameter on the source side.)"""
-    total = sum(dst.nbytes for dst in dsts)
-    if total != src.numel():
-        raise ValueError(f"copy_from_bytes: {src.numel()} source bytes for {total} of tensors")
-    copies = at = i = 0
-    while i < len(dsts):
-        dst, i = dsts[i], i + 1
-        num_bytes = dst.nbytes
-        if not num_bytes:
-            continue
-        if not dst.is_contiguous():
-            dst.copy_(src[at : at + num_bytes].view(dst.dtype).view(dst.shape))
-        else:  # take the destinations that continue this one, up to the end of its storage
-            end, limit = dst.data_ptr() + num_bytes, _end_of_storage(dst)
-            while i < len(dsts) and (
-                not dsts[i].nbytes
-                or (
-                    dsts[i].data_ptr() == end
-                    and end + dsts[i].nbytes <= limit
-                    and dsts[i].is_contiguous()
+class TargetRuns:
+    """Tensors to fill in order from bytes that hold them back to back (a weight stream), with
+    the runs of them that lie back to back in one storage worked out once: filling any range of
+    them is then one byte copy per run it touches, with no per-tensor work. (A colocated
+    receiver fills its parameters this way from runs of a trainer's parameters.)"""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
+        self.starts = [0]
+        """Byte offset of every tensor in the stream's packing (and the total, last)."""
+        self.run_starts: list[int] = []
+        """Index of each run's first tensor; an empty tensor joins the run it falls in."""
+        end = limit = -1  # of the open run: where its next tensor must start; its storage's end
+        for i, tensor in enumerate(self.tensors):
+            num_bytes = tensor.nbytes
+            self.starts.append(self.starts[-1] + num_bytes)
+            if not num_bytes:
+                continue
+            contiguous = tensor.is_contiguous()
+            if contiguous and tensor.data_ptr() == end and end + num_bytes <= limit:
+                end += num_bytes
+                continue
+            self.run_starts.append(i)
+            end, limit = -1, -1
+            if contiguous:
+                end, limit = tensor.data_ptr() + num_bytes, _end_of_storage(tensor)
+
+    def copy(self, first: int, end: int, src: torch.Tensor) -> int:
+        """Fill tensors ``first .. end - 1`` from the uint8 ``src`` that holds their bytes back
+        to back; returns the number of copies (one per run touched; none for empty tensors)."""
+        if src.numel() != self.starts[end] - self.starts[first]:
+            raise ValueError(
+                f"{src.numel()} source bytes for tensors {first}..{end - 1} "
+                f"({self.starts[end] - self.starts[first]} bytes)"
+            )
+        copies = 0
+        k = bisect.bisect_right(self.run_starts, first) - 1  # the run tensor `first` is in
+        lo = first
+        while lo < end:
+            hi = self.run_starts[k + 1] if k + 1 < len(self.run_starts) else len(self.tensors)
+            hi, k = min(hi, end), k + 1
+            while lo < hi and not self.tensors[lo].nbytes:
+                lo += 1  # a run's bytes start at its first tensor that has any
+            if lo < hi:
+                dst = self.tensors[lo]
+                at, num_bytes = (
+                    self.starts[lo] - self.starts[first],
+                    self.starts[hi] - self.starts[lo],
                 )
-            ):
-                end += dsts[i].nbytes
-                num_bytes += dsts[i].nbytes
-                i += 1
-            _byte_range(dst, num_bytes).copy_(src[at : at + num_bytes])
-        copies += 1
-        at += num_bytes
-    return copies
+                if dst.is_contiguous():
+                    _byte_range(dst, num_bytes).copy_(src[at : at + num_bytes])
+                else:  # a run of its own
+                    dst.copy_(src[at : at + num_bytes].view(dst.dtype).view(dst.shape))
+                copies += 1
+            lo = hi
+        return copies
