@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -35,6 +36,7 @@ from ceilings import QWEN_1P5B, QWEN_8B, emit, measure_ceilings, qwen2_config
 from tandem.trainer.offload import reserve_segment
 from tandem.weight_sync import (
     TensorMeta,
+    base,
     buckets,
     copy_tensors,
     device_copies,
@@ -87,6 +89,8 @@ def checksum(tensors: Any) -> float:
 
 def _receiver(specs: Any, results: Any) -> None:
     torch.cuda.set_device(0)
+    if os.environ.get("TANDEM_BENCH_NO_SPIN"):
+        base.SPIN_S = 0.0
     results.put("ready")
     params: dict[str, torch.Tensor] = {}
     while (message := specs.get()) is not None:
@@ -190,6 +194,7 @@ def bench_model(
                 "gb": round(num_bytes / 1e9, 2),
                 "bucket_mib": mib,
                 "ramp": bool(buckets.RAMP),
+                "spin": bool(base.SPIN_S),
                 "num_buckets": best.num_buckets,
                 "receiver_copies": copies,
                 "value": round(best.gb_per_s, 1),
@@ -215,9 +220,16 @@ def main() -> None:
     parser.add_argument(
         "--no-ramp", action="store_true", help="plan every bucket full size (buckets.RAMP = ())"
     )
+    parser.add_argument(
+        "--no-spin", action="store_true", help="never poll the store (weight_sync.base.SPIN_S = 0)"
+    )
     args = parser.parse_args()
-    if args.no_ramp:  # a diagnostic: what the smaller first buckets are worth
+    # diagnostics: what the smaller first buckets and the polled waits are worth
+    if args.no_ramp:
         buckets.RAMP = ()
+    if args.no_spin:
+        os.environ["TANDEM_BENCH_NO_SPIN"] = "1"  # the receiver is spawned: it reads this
+        base.SPIN_S = 0.0
     ceilings = measure_ceilings()
     emit({"figure": "d2d_copy_gb_s_read_plus_write", "value": round(ceilings["d2d_copy_gb_s"])})
     with receiver_process(_receiver) as (specs, results):

@@ -22,7 +22,7 @@ import torch
 from ceilings import emit
 from refit_gpu import SHAPES, generator_params, metadata, receiver_process, trainer_like_state
 
-from tandem.weight_sync import colocated, make_receiver, make_sender
+from tandem.weight_sync import colocated, copies, cuda_ipc, make_receiver, make_sender
 
 SPANS: list[tuple[str, float, float]] = []
 SENDER_STEPS = ("_attach", "_publish", "_wait_slot", "_end", "_release")
@@ -50,6 +50,8 @@ def _receiver(specs: Any, results: Any) -> None:
         timed(colocated.ColocatedReceiver, name)
     for name in ("open_segment", "close_segment", "wait_signals"):
         timed(colocated, name)
+    timed(copies.TargetRuns, "copy")
+    timed(torch.cuda.Stream, "wait_event")
     results.put("ready")
     params: dict[str, torch.Tensor] = {}
     while (message := specs.get()) is not None:
@@ -68,6 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     for name in SENDER_STEPS:
         timed(colocated.ColocatedSender, name)
+    timed(cuda_ipc.SegmentTable, "locate")
     with receiver_process(_receiver) as (specs, results):
         metas = metadata(SHAPES[args.model])
         state = trainer_like_state(metas)
