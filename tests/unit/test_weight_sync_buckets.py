@@ -5,7 +5,6 @@ import torch
 
 from tandem.weight_sync.buckets import (
     ALIGN_BYTES,
-    RAMP,
     BucketPlan,
     TensorMeta,
     flat_bytes,
@@ -42,32 +41,14 @@ def _assert_bit_exact(expected: dict[str, torch.Tensor], got: dict[str, torch.Te
 
 
 def test_exactly_full_bucket_then_next() -> None:
-    metas = [(f"full{i}", (2**15,), torch.float32) for i in range(len(RAMP))]  # past the ramp
-    metas += [
+    metas = [
         ("a", (2**14,), torch.float32),
         ("b", (2**14,), torch.float32),
         ("c", (1,), torch.int8),
     ]
-    plan = plan_buckets(metas, 2**17)  # a and b fill a bucket to the byte
-    assert [len(b.pieces) for b in plan.buckets] == [1] * len(RAMP) + [2, 1]
-    assert plan.buckets[len(RAMP)].used_bytes == 2**17
-
-
-def test_first_buckets_ramp_up_to_the_bucket_size() -> None:
-    """The first buckets close once they hold 1/8, 1/4, 1/2 of the bucket size; the rest fill
-    it. A tensor that fits a bucket is never split by the ramp."""
-    bucket_bytes = 2**20
-    metas = [(f"w{i}", (2**10,), torch.float32) for i in range(1000)]  # 4 KiB each
-    plan = plan_buckets(metas, bucket_bytes)
-    used = [b.used_bytes for b in plan.buckets]
-    assert used[:4] == [bucket_bytes // 8, bucket_bytes // 4, bucket_bytes // 2, bucket_bytes]
-    assert all(b.used_bytes <= bucket_bytes for b in plan.buckets)
-    assert sum(len(b.pieces) for b in plan.buckets) == 1000
-    big = [("big", (3 * 2**17,), torch.uint8), ("small", (4,), torch.uint8)]  # 3/8 of a bucket
-    pieces = [
-        [(p.tensor_index, p.is_whole) for p in b.pieces] for b in plan_buckets(big, 2**20).buckets
-    ]
-    assert pieces == [[(0, True)], [(1, True)]]
+    plan = plan_buckets(metas, 2**17)  # a and b fill the bucket to the byte
+    assert [len(b.pieces) for b in plan.buckets] == [2, 1]
+    assert plan.buckets[0].used_bytes == 2**17
 
 
 def test_one_tensor_per_bucket_when_each_nearly_fills_it() -> None:

@@ -21,12 +21,6 @@ import torch
 ALIGN_BYTES = 256
 """Offset alignment inside a bucket: enough for every dtype and for vectorised copies."""
 
-RAMP = (8, 4, 2)
-"""The first buckets close early, once they hold 1/8, 1/4 and 1/2 of ``bucket_bytes``. A
-receiver can start on a bucket only once the sender has walked every tensor of it, and that walk
-costs per tensor, not per byte: small first buckets let the receivers start (and map the
-sender's memory) while the sender walks the rest. Slots stay ``bucket_bytes`` at most."""
-
 
 @dataclass(frozen=True)
 class TensorMeta:
@@ -114,9 +108,8 @@ def plan_buckets(
 ) -> BucketPlan:
     """Assign the tensors of a weight stream, in stream order, to buckets of ``bucket_bytes``.
 
-    A tensor starts a new bucket when it does not fit the rest of the current one, or when the
-    current one is one of the first and already holds its share of ``RAMP``; a tensor larger than
-    a whole bucket is split into bucket-sized pieces (at element boundaries).
+    A tensor starts a new bucket when it does not fit the rest of the current one; a tensor
+    larger than a whole bucket is split into bucket-sized pieces (at element boundaries).
     """
     if bucket_bytes < ALIGN_BYTES:
         raise ValueError(f"refit.bucket_bytes={bucket_bytes} is too small; use >= {ALIGN_BYTES}")
@@ -138,8 +131,7 @@ def plan_buckets(
     for index, meta in enumerate(metas):
         size = meta.num_bytes
         if size <= bucket_bytes:
-            early = len(buckets) < len(RAMP) and offset >= bucket_bytes // RAMP[len(buckets)]
-            if _align(offset) + size > bucket_bytes or (pieces and early):
+            if _align(offset) + size > bucket_bytes:
                 close()
             start = _align(offset)
             pieces.append(Piece(index, 0, size, start, size))
