@@ -8,7 +8,10 @@ every tensor into parameters it preallocated on the same GPU, as
 ``HfGenerator`` lays out its own), and returns a checksum and its number of copies.
 
 The clock runs from ``send()`` until every byte has landed, with the receiver holding the spec
-(``spec_handoff_ms``: the queue that carries it here, a Ray call in tandem, is timed apart).
+(``spec_handoff_ms``: the queue that carries it here, a Ray call in tandem, is timed apart). The
+receiver starts as it gets the spec, about when ``send()`` starts; in a live refit it then maps
+the trainer's memory that ``prepare()`` named (``prepare_ms``, also timed apart: planning the
+buckets and finding the allocations of the live tensors).
 The ceiling is the faster of two one-process copies of the same tensors into twins laid out as
 the receiver's (payload bytes / s): ``dst.copy_(src)`` per tensor, and ``copy_tensors`` of all
 of them (between two such layouts: a few byte copies, near the bulk device copy). A packed
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -36,8 +38,6 @@ from ceilings import QWEN_1P5B, QWEN_8B, emit, measure_ceilings, qwen2_config
 from tandem.trainer.offload import reserve_segment
 from tandem.weight_sync import (
     TensorMeta,
-    base,
-    buckets,
     copy_tensors,
     device_copies,
     make_receiver,
@@ -89,8 +89,6 @@ def checksum(tensors: Any) -> float:
 
 def _receiver(specs: Any, results: Any) -> None:
     torch.cuda.set_device(0)
-    if os.environ.get("TANDEM_BENCH_NO_SPIN"):
-        base.SPIN_S = 0.0
     results.put("ready")
     params: dict[str, torch.Tensor] = {}
     while (message := specs.get()) is not None:
@@ -173,9 +171,11 @@ def bench_model(
     for mib, live in runs_of:
         config = SimpleNamespace(transport="colocated", bucket_bytes=mib * 2**20)
         sender = make_sender(config, "cuda:0", timeout_s=300)  # type: ignore[arg-type]
-        runs, handoffs, copies = [], [], 0
+        runs, handoffs, prepares, copies = [], [], [], 0
         for _ in range(3):  # the first also opens the IPC handles and warms the allocator
-            spec = sender.prepare(metas)
+            start = time.perf_counter()
+            spec = sender.prepare(metas, live_tensors=state.values() if live else ())
+            prepares.append(time.perf_counter() - start)
             start = time.perf_counter()
             specs.put((metas, spec))
             assert results.get(timeout=300) == "receiving"
@@ -193,8 +193,6 @@ def bench_model(
                 "in_place": round(best.in_place_bytes / num_bytes, 3),
                 "gb": round(num_bytes / 1e9, 2),
                 "bucket_mib": mib,
-                "ramp": bool(buckets.RAMP),
-                "spin": bool(base.SPIN_S),
                 "num_buckets": best.num_buckets,
                 "receiver_copies": copies,
                 "value": round(best.gb_per_s, 1),
@@ -203,6 +201,7 @@ def bench_model(
                 "finish_ms": round(best.finish_seconds * 1e3, 2),
                 "first_refit_gb_s": round(runs[0].gb_per_s, 1),
                 "spec_handoff_ms": round(min(handoffs[1:]) * 1e3, 2),
+                "prepare_ms": round(min(prepares[1:]) * 1e3, 2),
                 "ceiling_device_copy_gb_s": round(ceiling, 1),
                 "ratio": round(best.gb_per_s / ceiling, 3),
                 "ratio_to_per_tensor_copy": round(best.gb_per_s / ceilings["per_tensor"], 3),
@@ -217,19 +216,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=["1.5b", "8b"], choices=sorted(SHAPES))
     parser.add_argument("--buckets-mib", type=int, nargs="+", default=[64, 512, 1024, 2048])
-    parser.add_argument(
-        "--no-ramp", action="store_true", help="plan every bucket full size (buckets.RAMP = ())"
-    )
-    parser.add_argument(
-        "--no-spin", action="store_true", help="never poll the store (weight_sync.base.SPIN_S = 0)"
-    )
     args = parser.parse_args()
-    # diagnostics: what the smaller first buckets and the polled waits are worth
-    if args.no_ramp:
-        buckets.RAMP = ()
-    if args.no_spin:
-        os.environ["TANDEM_BENCH_NO_SPIN"] = "1"  # the receiver is spawned: it reads this
-        base.SPIN_S = 0.0
     ceilings = measure_ceilings()
     emit({"figure": "d2d_copy_gb_s_read_plus_write", "value": round(ceilings["d2d_copy_gb_s"])})
     with receiver_process(_receiver) as (specs, results):

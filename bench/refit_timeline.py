@@ -78,7 +78,7 @@ def main() -> None:
         sender = make_sender(config, "cuda:0", timeout_s=300)  # type: ignore[arg-type]
         for refit in range(args.refits + 1):
             torch.cuda.synchronize()
-            specs.put((metas, sender.prepare(metas)))
+            specs.put((metas, sender.prepare(metas, live_tensors=state.values())))
             time.sleep(0.2)  # the receiver is waiting for bucket 0 before the clock starts
             SPANS.clear()
             start = time.perf_counter()

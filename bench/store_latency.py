@@ -3,8 +3,8 @@
 A client process waits for keys the server process sets 5 ms apart, either blocked in
 ``multi_get`` or polling ``check``; it reports when it saw each key. Prints, per way of waiting,
 the median time from the ``set`` returning to the waiter seeing the key, the median ``set``, and
-the round trip of a ``multi_get`` of a key that is already there. This is what
-``weight_sync.base.SPIN_S`` rests on.
+the round trip of a ``multi_get`` of a key that is already there: what each signal of a refit
+costs (docs/performance.md).
 
     PYTHONPATH=src:bench python bench/store_latency.py
 """

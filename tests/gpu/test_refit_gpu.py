@@ -141,7 +141,8 @@ def _laid_out_receiver(specs: Any, results: Any) -> None:
 def test_live_refit_between_laid_out_models_is_one_copy_per_bucket() -> None:
     """Trainer and generator both lay their parameters out back to back: the trainer announces
     each bucket as one run of its memory and the generator copies it with one launch, without a
-    tensor per parameter. A split tensor is copied once, in the bucket of its last piece."""
+    tensor per parameter. A split tensor is copied once, in the bucket of its last piece. (The
+    live tensors are given to prepare() here; ``_run(live=True)`` covers a refit without.)"""
     ctx = mp.get_context("spawn")
     specs, results = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_laid_out_receiver, args=(specs, results))
@@ -153,7 +154,9 @@ def test_live_refit_between_laid_out_models_is_one_copy_per_bucket() -> None:
         for refit_id in (1, 2):
             state = laid_out_state(refit_id)
             torch.cuda.synchronize()
-            spec = sender.prepare(metadata_of(state.items()))
+            # named at prepare(): the receiver maps the trainer's memory as it attaches
+            spec = sender.prepare(metadata_of(state.items()), live_tensors=state.values())
+            assert len(spec.segments) == 1  # one allocation holds every tensor
             specs.put(spec)
             stats = sender.send(iter(state.items()), live=True)
             assert stats.in_place_bytes == stats.num_bytes

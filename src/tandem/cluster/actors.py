@@ -84,7 +84,13 @@ class TrainerWorker:
             for name, shape, dtype in self.policy.weight_metadata()
         ]
         stream = self._weight_stream(iter(metas))
-        return self._sender.prepare(metadata_of(stream))
+        # the parameters the refit will read in place: the generators may map them as they attach
+        live = [t for _, t in self.policy.iter_weights()] if self._streams_live() else []
+        return self._sender.prepare(metadata_of(stream), live_tensors=live)
+
+    def _streams_live(self) -> bool:
+        # FP8 quantisation makes new tensors; only the parameters themselves are live
+        return self.policy.streams_live_weights and self.generation.precision != "fp8"
 
     def send_weights(self) -> dict[str, float]:
         """Stream the weights (a collective over trainer ranks; rank 0 sends)."""
@@ -93,9 +99,7 @@ class TrainerWorker:
             for _ in stream:  # other ranks take part in the gathers only
                 pass
             return {}
-        # FP8 quantisation makes new tensors; only the parameters themselves are live
-        live = self.policy.streams_live_weights and self.generation.precision != "fp8"
-        return self._sender.send(stream, live=live).as_dict()
+        return self._sender.send(stream, live=self._streams_live()).as_dict()
 
     def save_checkpoint(self, path: str) -> None:
         self.policy.save_checkpoint(Path(path))

@@ -57,6 +57,9 @@ class RefitSpec:
     the slots are announced in the ``ready`` signal of the first bucket that packs a tensor.)"""
     events: tuple[bytes, ...] = ()
     """colocated on CUDA: per slot, the IPC handle of the event recorded when it is packed."""
+    segments: tuple[tuple[int, str, int], ...] = ()
+    """colocated on CUDA: allocations of the sender's live tensors, known at ``prepare()``, that
+    the receivers map as they attach, before the first bucket (id, IPC handle hex, bytes)."""
     group_generation: int = 0
     """split: which process group to join (a new one after a failed refit)."""
 
@@ -119,24 +122,9 @@ def serve_store(host: str, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-SPIN_S = 0.01
-"""How long a wait that usually blocks polls the store (``check``) before it blocks in
-``multi_get``. A blocked ``multi_get`` wakes ~0.1-0.3 ms after the key is set and makes that
-``set`` slower too; a poll sees the key within a round trip of ~30-100 µs
-(``bench/store_latency.py``). The poll costs one round trip more when the key is already
-there, so only the waits that usually block spin."""
-
-
-def wait_signals(
-    store: dist.Store, keys: list[str], timeout_s: float, what: str, spin: bool = False
-) -> list[bytes]:
-    """Wait for ``keys`` and return their values (``multi_get`` waits up to the store's timeout,
-    ``timeout_s``; with ``spin``, after polling for up to ``SPIN_S``); raise RefitError naming
-    ``what`` on timeout or an abort."""
-    if spin and SPIN_S:
-        deadline = time.perf_counter() + SPIN_S
-        while not store.check(keys) and time.perf_counter() < deadline:
-            pass
+def wait_signals(store: dist.Store, keys: list[str], timeout_s: float, what: str) -> list[bytes]:
+    """Wait for ``keys`` and return their values (one round trip: ``multi_get`` waits up to the
+    store's timeout, ``timeout_s``); raise RefitError naming ``what`` on timeout or an abort."""
     try:
         values = store.multi_get(keys)
     except dist.DistStoreError as error:
@@ -222,15 +210,21 @@ class RefitSender:
         self._plan: BucketPlan | None = None
         self._spec: RefitSpec | None = None
 
-    def prepare(self, metadata: Iterable[Any]) -> RefitSpec:
-        """Plan the buckets of the next refit and return the spec its receivers need."""
+    def prepare(
+        self, metadata: Iterable[Any], live_tensors: Iterable[torch.Tensor] = ()
+    ) -> RefitSpec:
+        """Plan the buckets of the next refit and return the spec its receivers need.
+
+        ``live_tensors``: the tensors ``send(..., live=True)`` will stream, when they exist now
+        (a trainer's parameters). A transport may then let the receivers map their memory as
+        they attach instead of on the first bucket that names it (colocated on CUDA does)."""
         if self._spec is not None:
             raise RuntimeError("prepare() called twice without send(); send the prepared refit")
         plan = plan_buckets(metadata, self.bucket_bytes)
         if self._plan is None or self._plan.tensors != plan.tensors:
             self._plan = plan
         self._refit_id += 1
-        self._spec = self._make_spec(self._refit_id, self._plan)
+        self._spec = self._shared_ahead(self._make_spec(self._refit_id, self._plan), live_tensors)
         return self._spec
 
     def send(
@@ -295,6 +289,10 @@ class RefitSender:
     # Transport hooks.
     def _make_spec(self, refit_id: int, plan: BucketPlan) -> RefitSpec:
         raise NotImplementedError
+
+    def _shared_ahead(self, spec: RefitSpec, live_tensors: Iterable[torch.Tensor]) -> RefitSpec:
+        """``spec`` with what the receivers may open before the first bucket (see prepare)."""
+        return spec
 
     def _begin(self, spec: RefitSpec) -> None:
         raise NotImplementedError

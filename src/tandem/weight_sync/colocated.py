@@ -29,6 +29,7 @@ bucket holds a packed tensor: a refit read wholly in place allocates nothing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -37,6 +38,7 @@ import tempfile
 import time
 import uuid
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -144,6 +146,22 @@ class ColocatedSender(RefitSender):
             events=tuple(event.ipc_handle() for event in self._packed),
         )
 
+    def _shared_ahead(self, spec: RefitSpec, live_tensors: Iterable[torch.Tensor]) -> RefitSpec:
+        if self.device.type != "cuda":
+            return spec
+        device_index = self.device.index
+        if device_index is None:
+            device_index = torch.cuda.current_device()
+        for tensor in live_tensors:
+            if tensor.is_cuda and tensor.get_device() == device_index and tensor.nbytes:
+                with contextlib.suppress(CudaIpcError):  # not shareable: packed in send()
+                    self._segments.locate(tensor.data_ptr())
+        segments = tuple(
+            (i, segment.handle.hex(), segment.size)
+            for i, segment in enumerate(self._segments.by_id)
+        )
+        return dataclasses.replace(spec, segments=segments)
+
     def _ranks(self) -> range:
         return range(1, self.num_receivers + 1)
 
@@ -243,8 +261,7 @@ class ColocatedSender(RefitSender):
     def _wait_slot(self, spec: RefitSpec, index: int) -> None:
         self._attach(spec)
         keys = [_key(spec.refit_id, "done", index, rank) for rank in self._ranks()]
-        what = f"the receivers to finish bucket {index}"
-        wait_signals(self._store, keys, spec.timeout_s, what, spin=True)
+        wait_signals(self._store, keys, spec.timeout_s, f"the receivers to finish bucket {index}")
         if self.device.type == "cuda":  # the slot is packed again only after their copies
             stream = torch.cuda.current_stream(self.device)
             for events in self._consumed:
@@ -262,8 +279,7 @@ class ColocatedSender(RefitSender):
             for index in range(num_buckets):
                 self._store.delete_key(_key(spec.refit_id, "done", index, rank))
         keys = [_key(spec.refit_id, "released", rank) for rank in self._ranks()]
-        what = "the receivers to release the buffers"
-        wait_signals(self._store, keys, spec.timeout_s, what, spin=True)
+        wait_signals(self._store, keys, spec.timeout_s, "the receivers to release the buffers")
         for key in keys:
             self._store.delete_key(key)
 
@@ -308,6 +324,9 @@ class ColocatedReceiver(RefitReceiver):
             self._map_buffers(path)  # from_file: cheap, and the sender unlinks it once attached
             attached = "1"
         else:  # the slots are announced and mapped when a bucket is packed
+            for segment, handle, size in spec.segments:  # the sender's live tensors: map now
+                self._known[segment] = (handle, size)
+                self._segment(segment)
             self._packed = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in spec.events]
             self._consumed = [torch.cuda.Event(interprocess=True) for _ in spec.events]
             attached = ",".join(event.ipc_handle().hex() for event in self._consumed)
@@ -333,8 +352,7 @@ class ColocatedReceiver(RefitReceiver):
     def _wait_bucket(self, index: int) -> torch.Tensor:
         key = _key(self.spec.refit_id, "ready", index)
         what = f"the trainer to pack bucket {index}"
-        # The first bucket is the one a receiver always waits for.
-        (value,) = wait_signals(self._store, [key], self.spec.timeout_s, what, spin=index == 0)
+        (value,) = wait_signals(self._store, [key], self.spec.timeout_s, what)
         if self.device.type == "cuda":  # consumers copy on the current stream, after the packing
             torch.cuda.current_stream(self.device).wait_event(self._packed[index % NUM_SLOTS])
         shared = {} if value == b"1" else json.loads(value)
