@@ -213,6 +213,24 @@ def test_copy_into_lands_every_tensor_and_names_a_wrong_target() -> None:
     assert _leftover_shm() == []
 
 
+def test_prepare_plans_once_per_metadata() -> None:
+    """The bucket plan is reused while the metadata stays the same, and made anew when not."""
+    sender = _sender("colocated")
+    plans = []
+    for seed in (0, 1, 2):
+        state = random_state_dict(0)
+        if seed == 2:  # one tensor changes shape
+            state["step"] = torch.zeros(3, dtype=torch.int64)
+        spec = sender.prepare(metadata_of(state.items()))
+        thread, outcome = _send_in_thread(sender, iter(state.items()))
+        names = [name for name, _ in make_receiver(spec, "cpu").iter_weights()]
+        thread.join(timeout=30)
+        assert "error" not in outcome and names == list(state)
+        plans.append(spec.plan)
+    assert plans[1] is plans[0] and plans[2] is not plans[0]
+    assert plans[2].tensors[-2].shape == (3,)
+
+
 def test_empty_stream_and_auto_transport() -> None:
     sender = _sender("colocated")
     spec = sender.prepare([])

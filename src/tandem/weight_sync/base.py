@@ -22,6 +22,7 @@ from tandem.weight_sync.buckets import (
     BucketPlan,
     Piece,
     TensorMeta,
+    as_metadata,
     check_target,
     check_tensor,
     pack_piece,
@@ -220,9 +221,9 @@ class RefitSender:
         they attach instead of on the first bucket that names it (colocated on CUDA does)."""
         if self._spec is not None:
             raise RuntimeError("prepare() called twice without send(); send the prepared refit")
-        plan = plan_buckets(metadata, self.bucket_bytes)
-        if self._plan is None or self._plan.tensors != plan.tensors:
-            self._plan = plan
+        metas = tuple(as_metadata(metadata))
+        if self._plan is None or self._plan.tensors != metas:  # else the last refit's plan
+            self._plan = plan_buckets(metas, self.bucket_bytes)
         self._refit_id += 1
         self._spec = self._shared_ahead(self._make_spec(self._refit_id, self._plan), live_tensors)
         return self._spec

@@ -152,10 +152,15 @@ class ColocatedSender(RefitSender):
         device_index = self.device.index
         if device_index is None:
             device_index = torch.cuda.current_device()
+        low = high = 0  # the last segment found: most tensors lie in the one before them
         for tensor in live_tensors:
+            ptr = tensor.data_ptr()  # (device pointers and host pointers never overlap)
+            if low <= ptr < high:
+                continue
             if tensor.is_cuda and tensor.get_device() == device_index and tensor.nbytes:
                 with contextlib.suppress(CudaIpcError):  # not shareable: packed in send()
-                    self._segments.locate(tensor.data_ptr())
+                    segment = self._segments.by_id[self._segments.locate(ptr)[0]]
+                    low, high = segment.base, segment.base + segment.size
         segments = tuple(
             (i, segment.handle.hex(), segment.size)
             for i, segment in enumerate(self._segments.by_id)
