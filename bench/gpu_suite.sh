@@ -28,7 +28,8 @@ stage offload 100 python3 bench/offload.py
 stage refit 200 python3 bench/refit_gpu.py
 stage breakdown 150 sh -c "python3 bench/refit_breakdown.py --model 8b --bucket-mib 2048 &&
   python3 bench/refit_breakdown.py --model 1.5b --bucket-mib 512"
-stage scan 60 sh -c "python3 bench/coalesce_scan.py --model 1.5b && python3 bench/coalesce_scan.py --model 8b"
+stage scan 60 sh -c "python3 bench/coalesce_scan.py --model 1.5b && python3 bench/coalesce_scan.py --model 8b &&
+  python3 bench/store_latency.py"
 stage timeline 90 sh -c "python3 bench/refit_timeline.py --model 1.5b --bucket-mib 1024 &&
   python3 bench/refit_timeline.py --model 8b --bucket-mib 2048"
 for f in train offload refit breakdown scan timeline; do grep -E "Error|error:" "$OUT/$f.log" | tail -n 3; done
