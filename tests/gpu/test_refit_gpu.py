@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -67,13 +69,26 @@ def _receiver_main(rank: int, device: str, specs: Any, results: Any) -> None:
         results.put((spec.refit_id, len(params), bad))
 
 
-def _run(transport: str, sender_device: str, receiver_device: str, live: bool = False) -> None:
+@contextlib.contextmanager
+def _receiver(target: Any, *args: Any) -> Iterator[tuple[Any, Any]]:
+    """A spawned ``target(*args, specs, results)`` that puts "ready" first and ends on None;
+    yields the two queues."""
     ctx = mp.get_context("spawn")
     specs, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_receiver_main, args=(1, receiver_device, specs, results))
+    proc = ctx.Process(target=target, args=(*args, specs, results))
     proc.start()
     try:
         assert results.get(timeout=120) == "ready"
+        yield specs, results
+    finally:
+        specs.put(None)
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _run(transport: str, sender_device: str, receiver_device: str, live: bool = False) -> None:
+    with _receiver(_receiver_main, 1, receiver_device) as (specs, results):
         # The GPU host has no pydantic: the two fields RefitConfig would carry.
         config = SimpleNamespace(transport=transport, bucket_bytes=BUCKET_BYTES)
         sender = make_sender(config, sender_device, timeout_s=60)  # type: ignore[arg-type]
@@ -92,11 +107,6 @@ def _run(transport: str, sender_device: str, receiver_device: str, live: bool = 
             # The refit buckets are gone: the trainer holds exactly what it held before.
             assert torch.cuda.memory_allocated(sender_device) == baseline
         sender.close()
-    finally:
-        specs.put(None)
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
 
 
 def test_colocated_cuda_ipc_two_processes_one_gpu() -> None:
@@ -143,12 +153,7 @@ def test_live_refit_between_laid_out_models_is_one_copy_per_bucket() -> None:
     each bucket as one run of its memory and the generator copies it with one launch, without a
     tensor per parameter. A split tensor is copied once, in the bucket of its last piece. (The
     live tensors are given to prepare() here; ``_run(live=True)`` covers a refit without.)"""
-    ctx = mp.get_context("spawn")
-    specs, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_laid_out_receiver, args=(specs, results))
-    proc.start()
-    try:
-        assert results.get(timeout=120) == "ready"
+    with _receiver(_laid_out_receiver) as (specs, results):
         config = SimpleNamespace(transport="colocated", bucket_bytes=BUCKET_BYTES)
         sender = make_sender(config, "cuda:0", timeout_s=60)  # type: ignore[arg-type]
         for refit_id in (1, 2):
@@ -164,11 +169,6 @@ def test_live_refit_between_laid_out_models_is_one_copy_per_bucket() -> None:
             assert len(spec.plan.buckets) > len(completing) > 3
             assert results.get(timeout=120) == (len(completing), [])
         sender.close()
-    finally:
-        specs.put(None)
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL split needs two GPUs")

@@ -29,6 +29,16 @@ def _mixed(seed: int) -> list[torch.Tensor]:
     ]
 
 
+def _assert_only_tensors_written(arena: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Every byte of ``arena`` (filled with 0xAB first) outside ``tensors`` is still 0xAB."""
+    covered = torch.zeros(arena.numel(), dtype=torch.bool)
+    for tensor in tensors:
+        if tensor.untyped_storage().data_ptr() == arena.data_ptr():
+            start = tensor.data_ptr() - arena.data_ptr()
+            covered[start : start + tensor.nbytes] = True
+    assert bool((arena[~covered] == 0xAB).all())
+
+
 def test_device_copies_lay_contiguous_tensors_back_to_back_in_one_allocation() -> None:
     tensors = _mixed(0)
     copies = device_copies(tensors, CPU)
@@ -100,12 +110,7 @@ def test_copy_tensors_between_layouts_copies_every_pair_and_nothing_else() -> No
     copy_tensors(dsts, srcs)
     for dst, src in zip(dsts, srcs, strict=True):
         assert torch.equal(dst, src)
-    covered = torch.zeros(arena.numel(), dtype=torch.bool)
-    for dst in dsts:
-        if dst.untyped_storage().data_ptr() == arena.data_ptr():
-            start = dst.data_ptr() - arena.data_ptr()
-            covered[start : start + dst.nbytes] = True
-    assert bool((arena[~covered] == 0xAB).all())
+    _assert_only_tensors_written(arena, dsts)
 
 
 def test_copy_tensors_out_of_a_packed_bucket_into_a_laid_out_model() -> None:
@@ -181,12 +186,7 @@ def test_target_runs_copy_ranges_of_destinations_out_of_packed_bytes() -> None:
     assert runs.copy(0, len(dsts), src) == 4
     for dst, value in zip(dsts, values, strict=True):
         assert torch.equal(dst, value)
-    covered = torch.zeros(arena.numel(), dtype=torch.bool)
-    for dst in dsts:
-        if dst.untyped_storage().data_ptr() == arena.data_ptr():
-            start = dst.data_ptr() - arena.data_ptr()
-            covered[start : start + dst.nbytes] = True
-    assert bool((arena[~covered] == 0xAB).all())
+    _assert_only_tensors_written(arena, dsts)
     # Ranges inside runs, as buckets cut them: tensors 2..5 are two copies (part of a run, 5).
     for dst in dsts:
         dst.zero_()
