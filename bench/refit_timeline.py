@@ -25,8 +25,15 @@ from refit_gpu import SHAPES, generator_params, metadata, receiver_process, trai
 from tandem.weight_sync import colocated, copies, cuda_ipc, make_receiver, make_sender
 
 SPANS: list[tuple[str, float, float]] = []
-SENDER_STEPS = ("_attach", "_publish", "_wait_slot", "_end", "_release")
-RECEIVER_STEPS = ("_wait_bucket", "_copy_in_place", "_map_buffers", "_done_bucket", "_end")
+SENDER_STEPS = ("_begin", "_attach", "_publish", "_wait_slot", "_end", "_release")
+RECEIVER_STEPS = (
+    "_wait_bucket",
+    "_copy_in_place",
+    "_map_buffers",
+    "_done_bucket",
+    "_confirm",
+    "_end",
+)
 
 
 def timed(owner: Any, name: str) -> None:
@@ -53,12 +60,14 @@ def _receiver(specs: Any, results: Any) -> None:
     timed(copies.TargetRuns, "copy")
     timed(torch.cuda.Stream, "wait_event")
     results.put("ready")
-    params: dict[str, torch.Tensor] = {}
+    targets = None  # kept across refits, as HfGenerator keeps them
     while (message := specs.get()) is not None:
         metas, spec = message
-        params = params or generator_params(metas)
+        if targets is None:
+            params = generator_params(metas)
+            targets = copies.TargetRuns([params[m.name] for m in metas])
         SPANS.clear()
-        make_receiver(spec, "cuda:0").copy_into([params[m.name] for m in metas])
+        make_receiver(spec, "cuda:0").copy_into(targets)
         results.put(list(SPANS))
 
 

@@ -6,6 +6,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tandem.weight_sync import device_copies, make_receiver, make_sender, metadata_of
+from tandem.weight_sync import RefitError, device_copies, make_receiver, make_sender, metadata_of
 from tandem.weight_sync.buckets import flat_bytes
 
 pytestmark = [
@@ -138,7 +139,11 @@ def _laid_out_receiver(specs: Any, results: Any) -> None:
         expected = laid_out_state(spec.refit_id)
         zeros = [torch.zeros(m.shape, dtype=m.dtype) for m in spec.plan.tensors]
         targets = device_copies(zeros, torch.device("cuda", 0))  # as HfGenerator's parameters
-        copies = make_receiver(spec, "cuda:0").copy_into(targets)
+        try:
+            copies = make_receiver(spec, "cuda:0").copy_into(targets)
+        except RefitError as error:
+            results.put(("error", str(error)))
+            continue
         torch.cuda.synchronize()
         bad = [
             m.name
@@ -168,6 +173,35 @@ def test_live_refit_between_laid_out_models_is_one_copy_per_bucket() -> None:
             completing = [b for b in spec.plan.buckets if any(p.is_last for p in b.pieces)]
             assert len(spec.plan.buckets) > len(completing) > 3
             assert results.get(timeout=120) == (len(completing), [])
+        sender.close()
+
+
+def test_live_refit_fails_on_both_sides_when_a_tensor_moved_after_prepare() -> None:
+    """Given the live tensors, prepare() works out every bucket's signal, and send() sets them
+    all before it walks the stream; the walk checks the stream against them. A tensor that is
+    not where prepare() found it fails the sender, and the receiver too, which waits for that
+    check before it reports the refit done (no silently wrong weights). The next refit lands."""
+    with _receiver(_laid_out_receiver) as (specs, results):
+        config = SimpleNamespace(transport="colocated", bucket_bytes=BUCKET_BYTES)
+        sender = make_sender(config, "cuda:0", timeout_s=60)  # type: ignore[arg-type]
+        state = laid_out_state(1)
+        spec = sender.prepare(metadata_of(state.items()), live_tensors=state.values())
+        moved = {**state, "layers.3.w": state["layers.3.w"].clone()}
+        torch.cuda.synchronize()
+        specs.put(spec)
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=r"not where prepare\(\) found it"):
+            sender.send(iter(moved.items()), live=True)
+        kind, message = results.get(timeout=60)
+        assert kind == "error" and "not where prepare() found it" in message, message
+        assert time.monotonic() - start < 30  # signalled, not timed out (60 s)
+        state = laid_out_state(2)
+        torch.cuda.synchronize()
+        specs.put(sender.prepare(metadata_of(state.items()), live_tensors=state.values()))
+        stats = sender.send(iter(state.items()), live=True)
+        assert stats.in_place_bytes == stats.num_bytes
+        copies, bad = results.get(timeout=60)
+        assert copies > 3 and bad == []
         sender.close()
 
 

@@ -152,7 +152,9 @@ def test_receive_weights_through_a_refit_copies_bucket_by_bucket(generator: HfGe
         trainer.join(timeout=60)
         assert copies == len(spec.plan.buckets) < len(original) // 2
         assert all(torch.equal(state[name], t) for name, t in ordered.items())
-        # In the file's order (not the model's), then back to the original weights.
+        # In the file's order (not the model's), then back to the original weights: the second
+        # refit of that plan reuses the targets the first one worked out.
+        kept = []
         for weights in (perturbed, original):
             spec = sender.prepare(metadata_of(weights.items()))
             assert len(spec.plan.buckets) > 3
@@ -161,5 +163,7 @@ def test_receive_weights_through_a_refit_copies_bucket_by_bucket(generator: HfGe
             generator.receive_weights(spec)
             trainer.join(timeout=60)
             assert all(torch.equal(state[name], t) for name, t in weights.items())
+            kept.append(generator._refit_targets)
+        assert kept[0] is kept[1] is not None
     finally:
         sender.close()

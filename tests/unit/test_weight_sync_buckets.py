@@ -1,5 +1,8 @@
 """Bucket planning, packing and unpacking (in one process; transports are tested elsewhere)."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -106,6 +109,27 @@ def test_metadata_accepts_tensor_meta_and_counts_bytes() -> None:
     meta = TensorMeta("x", (2, 3), torch.bfloat16)
     assert meta.num_bytes == 12
     assert plan_buckets([meta], 2**16).total_bytes == 12
+
+
+def test_plan_key_names_the_tensors_and_nothing_else() -> None:
+    """Plans of the same tensors share a key (also in another process: a digest, not
+    ``hash()``); a changed name, shape or dtype changes it, the bucket size does not."""
+    metas = [("a", (2, 3), torch.bfloat16), ("b", (4,), torch.float32)]
+    key = plan_buckets(metas, 2**16).key
+    assert key == plan_buckets(metas, 2**10).key
+    assert key == plan_buckets([TensorMeta(*m) for m in metas], 2**16).key
+    for changed in (
+        [("a", (2, 3), torch.bfloat16), ("c", (4,), torch.float32)],
+        [("a", (3, 2), torch.bfloat16), ("b", (4,), torch.float32)],
+        [("a", (2, 3), torch.float16), ("b", (4,), torch.float32)],
+    ):
+        assert plan_buckets(changed, 2**16).key != key
+    code = (
+        "import torch; from tandem.weight_sync.buckets import plan_buckets; "
+        f"print(plan_buckets({metas!r}, 256).key)"
+    )
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == key
 
 
 def test_in_place_tensors_are_yielded_once_at_their_last_piece() -> None:

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from tandem.config.models import RefitConfig
 from tandem.weight_sync import (
     RefitError,
+    TargetRuns,
     bucket_bytes_for,
     make_receiver,
     make_sender,
@@ -208,8 +209,41 @@ def test_copy_into_lands_every_tensor_and_names_a_wrong_target() -> None:
     thread.join(timeout=30)
     assert isinstance(outcome["error"], RefitError), outcome
     assert time.monotonic() - start < TIMEOUT_S
-    with pytest.raises(ValueError, match="2 targets for a refit of"):  # before any signal
+    spec = sender.prepare(metadata_of(state.items()))
+    thread, outcome = _send_in_thread(sender, iter(state.items()))
+    with pytest.raises(ValueError, match="2 targets for a refit of"):
         make_receiver(spec, "cpu").copy_into(targets[:2])
+    thread.join(timeout=30)
+    assert isinstance(outcome["error"], RefitError), outcome
+    assert _leftover_shm() == []
+    with pytest.raises(RefitError, match="stale spec"):  # that refit is over: nothing to map
+        make_receiver(spec, "cpu").copy_into(targets)
+    assert _leftover_shm() == []
+
+
+def test_kept_targets_are_checked_once_per_plan() -> None:
+    """A ``TargetRuns`` kept across refits (as ``HfGenerator`` keeps its parameters') is checked
+    against the first plan and reused for the next with the same key; a stream whose tensors
+    changed is checked again, and a target that no longer fits fails both sides."""
+    sender = _sender("colocated")
+    targets = TargetRuns([torch.zeros_like(t) for t in random_state_dict(0).values()])
+    for seed in (1, 2):
+        state = random_state_dict(seed)
+        spec = sender.prepare(metadata_of(state.items()))
+        thread, outcome = _send_in_thread(sender, iter(state.items()))
+        make_receiver(spec, "cpu").copy_into(targets)
+        thread.join(timeout=30)
+        assert "stats" in outcome, outcome
+        assert targets.checked == spec.plan.key
+        for target, tensor in zip(targets.tensors, state.values(), strict=True):
+            assert torch.equal(flat_bytes(target), flat_bytes(tensor))
+    state["step"] = torch.zeros(2, dtype=torch.int64)  # a new shape: a new plan key
+    spec = sender.prepare(metadata_of(state.items()))
+    thread, outcome = _send_in_thread(sender, iter(state.items()))
+    with pytest.raises(ValueError, match="refit target of 'step' is"):
+        make_receiver(spec, "cpu").copy_into(targets)
+    thread.join(timeout=30)
+    assert isinstance(outcome["error"], RefitError), outcome
     assert _leftover_shm() == []
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
-from tandem.weight_sync import device_copies, make_receiver
+from tandem.weight_sync import TargetRuns, device_copies, make_receiver
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -97,6 +97,7 @@ class HfGenerator(Generator):
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else next(iter(self.eos_token_ids), 0))
         self.max_batch_size = max_batch_size
+        self._refit_targets: TargetRuns | None = None  # the parameters in a refit's order
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Rollout]:
         if any(len(p) == 0 for p in prompt_token_ids):
@@ -213,9 +214,13 @@ class HfGenerator(Generator):
     @torch.no_grad()
     def receive_weights(self, spec: Any, first_rank: int = 1) -> None:
         """As ``load_weights`` of the refit's stream, with batched copies per bucket
-        (``RefitReceiver.copy_into``)."""
-        state = self.model.state_dict()
-        targets = [_target(state, meta.name, meta) for meta in spec.plan.tensors]
+        (``RefitReceiver.copy_into``). The parameters never move, so where they lie is worked
+        out once per plan and kept."""
+        targets = self._refit_targets
+        if targets is None or targets.checked != spec.plan.key:  # the first refit of its plan
+            state = self.model.state_dict()
+            targets = TargetRuns([_target(state, meta.name, meta) for meta in spec.plan.tensors])
+            self._refit_targets = targets
         make_receiver(spec, self.device, rank=first_rank).copy_into(targets)
 
     def shutdown(self) -> None:

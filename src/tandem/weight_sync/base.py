@@ -143,10 +143,11 @@ def abort_signal(message: str) -> str:
     return ABORT.decode() + message[:2000]
 
 
-def set_signals(store: dist.Store, keys: list[str], value: str) -> None:
-    """Set every key to ``value`` (one round trip each; only a handful per refit)."""
-    for key in keys:
-        store.set(key, value)
+def set_signals(store: dist.Store, keys: list[str], values: str | list[str]) -> None:
+    """Set ``keys`` to ``values`` (one value for every key, or one each) in one round trip."""
+    if isinstance(values, str):
+        values = [values] * len(keys)
+    store.multi_set(keys, values)  # type: ignore[attr-defined]  # (not in torch's stubs)
 
 
 class _StreamCursor:
@@ -245,7 +246,7 @@ class RefitSender:
         buckets = spec.plan.buckets
         in_place = 0
         try:
-            self._begin(spec)
+            self._begin(spec, live)
             self._attach_seconds = time.perf_counter() - start
             cursor = _StreamCursor(spec.plan, weight_stream)
             for i, bucket in enumerate(buckets):
@@ -295,7 +296,8 @@ class RefitSender:
         """``spec`` with what the receivers may open before the first bucket (see prepare)."""
         return spec
 
-    def _begin(self, spec: RefitSpec) -> None:
+    def _begin(self, spec: RefitSpec, live: bool) -> None:
+        """Start the refit of ``spec`` (``live``: as given to ``send``)."""
         raise NotImplementedError
 
     def _buffer(self, slot: int) -> torch.Tensor:
@@ -364,21 +366,28 @@ class RefitReceiver:
                     for i, tensor in unpack_bucket(buffer, bucket, plan, partial, in_place)
                 ]
 
-    def copy_into(self, targets: Sequence[torch.Tensor]) -> int:
+    def copy_into(self, targets: Sequence[torch.Tensor] | TargetRuns) -> int:
         """Receive the refit into ``targets``: ``targets[i]`` takes the stream's tensor ``i``
         (``spec.plan.tensors[i]``, whose shape and dtype it must have). The copies are batched
         per bucket (``copy_tensors``); what a colocated sender shares in place is copied in runs
-        straight out of its memory (``TargetRuns``), with no tensor made per parameter. Returns
-        the number of copies launched; they are enqueued on the current stream."""
+        straight out of its memory (``TargetRuns``), with no tensor made per parameter. A
+        ``TargetRuns`` kept across refits is checked against the plan only when its key changes.
+        Returns the number of copies launched; they are enqueued on the current stream."""
         plan = self.spec.plan
-        if len(targets) != len(plan.tensors):
-            raise ValueError(
-                f"copy_into: {len(targets)} targets for a refit of {len(plan.tensors)} tensors"
-            )
         runs: list[TargetRuns] = []
 
-        def check_targets() -> None:  # while the sender walks its first bucket
-            runs.append(TargetRuns(list(map(check_target, plan.tensors, targets))))
+        def check_targets() -> None:  # once attached: a wrong target fails the sender fast too
+            found = targets if isinstance(targets, TargetRuns) else TargetRuns(targets)
+            if found.checked != plan.key or not plan.key:
+                if len(found.tensors) != len(plan.tensors):
+                    raise ValueError(
+                        f"copy_into: {len(found.tensors)} targets for a refit of "
+                        f"{len(plan.tensors)} tensors"
+                    )
+                for meta, target in zip(plan.tensors, found.tensors, strict=True):
+                    check_target(meta, target)
+                found.checked = plan.key
+            runs.append(found)
 
         copies = 0
         partial: dict[int, torch.Tensor] = {}
@@ -389,7 +398,7 @@ class RefitReceiver:
                 if len(in_place) == len(bucket.pieces):
                     continue  # nothing packed
                 pairs = [
-                    (targets[i], tensor)
+                    (runs[0].tensors[i], tensor)
                     for i, tensor in unpack_bucket(buffer, bucket, plan, partial, in_place)
                     if tensor is not None
                 ]
@@ -411,6 +420,7 @@ class RefitReceiver:
             for i, bucket in enumerate(self.spec.plan.buckets):
                 yield bucket, self._wait_bucket(i)
                 self._done_bucket(i)
+            self._confirm()
             completed = True
         finally:
             # Also on GeneratorExit: a consumer that stops early must not leave the sender hanging.
@@ -424,6 +434,10 @@ class RefitReceiver:
 
     def _done_bucket(self, index: int) -> None:
         raise NotImplementedError
+
+    def _confirm(self) -> None:
+        """After the last bucket: wait until the sender has checked what it published ahead of
+        walking its stream, if it did (colocated); RefitError if the check failed."""
 
     def _in_place(self) -> Collection[int]:
         """Indices of the current bucket's tensors that the sender shared in place."""

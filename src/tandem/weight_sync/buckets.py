@@ -13,6 +13,7 @@ ranges of its flat storage); the receiver assembles it into a tensor of its own.
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -74,6 +75,9 @@ class BucketPlan:
     tensors: tuple[TensorMeta, ...]
     buckets: tuple[Bucket, ...]
     bucket_bytes: int
+    key: str = ""
+    """A digest of ``tensors`` (names, shapes, dtypes): a receiver that checked its targets
+    against one plan knows, from the key alone, that they fit the next plan with that key."""
 
     @functools.cached_property
     def sizes(self) -> tuple[int, ...]:
@@ -147,7 +151,8 @@ def plan_buckets(
             if num_bytes == chunk:
                 close()
     close()
-    return BucketPlan(metas, tuple(buckets), bucket_bytes)
+    key = hashlib.blake2b(repr(metas).encode(), digest_size=16).hexdigest()
+    return BucketPlan(metas, tuple(buckets), bucket_bytes, key)
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,13 @@ launch per run where their own tensors lie back to back too. Still packed: a
 tensor that is not contiguous, not on the device, or in memory CUDA IPC cannot share. On CUDA
 the bucket memory is allocated (and announced in a ``ready`` signal, then mapped) only once a
 bucket holds a packed tensor: a refit read wholly in place allocates nothing.
+
+When ``prepare()`` is given the live tensors and every one of them can be read in place, it
+works out every bucket's ``ready`` signal there. ``send(live=True)`` then records the events and
+sets every ``ready`` at once, before it walks the stream, so the receivers start copying while
+the trainer checks that the stream's tensors are the ones ``prepare()`` found (the same runs,
+bucket by bucket). Those signals ask the receivers to wait for a ``confirmed`` signal, set after
+the check, before they report the refit done; a failed check aborts it on both sides.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import torch.distributed as dist
 
 from tandem.weight_sync.base import (
     NUM_SLOTS,
+    RefitError,
     RefitReceiver,
     RefitSender,
     RefitSpec,
@@ -112,6 +120,10 @@ class ColocatedSender(RefitSender):
         self._run: list[int] = []  # the open run of in-place tensors: first, count, segment, offset
         self._run_next = self._run_end = -1  # where its next tensor must start; its segment's end
         self._slot_layout = (0, 0)  # bytes of one slot, number of slots
+        # Per bucket, from prepare(live_tensors): the runs its ready signal names, and the
+        # signal itself; empty when some tensor would be packed. Sent ahead by a live send().
+        self._ahead: list[tuple[dict[str, Any], str]] = []
+        self._ahead_now = False  # this send() set every ready signal at its start
 
     def _make_spec(self, refit_id: int, plan: BucketPlan) -> RefitSpec:
         # Both slots in one allocation (one file, one IPC handle to open), each only as large as
@@ -147,13 +159,25 @@ class ColocatedSender(RefitSender):
         )
 
     def _shared_ahead(self, spec: RefitSpec, live_tensors: Iterable[torch.Tensor]) -> RefitSpec:
+        self._ahead = []
         if self.device.type != "cuda":
             return spec
+        live = list(live_tensors)
+        self._ahead = self._signals_ahead(spec.plan, live)  # finds their allocations, as send()
+        if not self._ahead:  # some would be packed: find the allocations of the others
+            self._locate_all(live)
+        segments = tuple(
+            (i, segment.handle.hex(), segment.size)
+            for i, segment in enumerate(self._segments.by_id)
+        )
+        return dataclasses.replace(spec, segments=segments)
+
+    def _locate_all(self, tensors: list[torch.Tensor]) -> None:
         device_index = self.device.index
         if device_index is None:
             device_index = torch.cuda.current_device()
         low = high = 0  # the last segment found: most tensors lie in the one before them
-        for tensor in live_tensors:
+        for tensor in tensors:
             ptr = tensor.data_ptr()  # (device pointers and host pointers never overlap)
             if low <= ptr < high:
                 continue
@@ -161,17 +185,40 @@ class ColocatedSender(RefitSender):
                 with contextlib.suppress(CudaIpcError):  # not shareable: packed in send()
                     segment = self._segments.by_id[self._segments.locate(ptr)[0]]
                     low, high = segment.base, segment.base + segment.size
-        segments = tuple(
-            (i, segment.handle.hex(), segment.size)
-            for i, segment in enumerate(self._segments.by_id)
-        )
-        return dataclasses.replace(spec, segments=segments)
+
+    def _signals_ahead(
+        self, plan: BucketPlan, live: list[torch.Tensor]
+    ) -> list[tuple[dict[str, Any], str]]:
+        """Every bucket's ``ready`` signal when ``live``, streamed in order, is read wholly in
+        place (as ``send`` would work it out); [] when some piece would be packed."""
+        if len(live) != len(plan.tensors):
+            return []
+        ahead = []
+        try:
+            for i, bucket in enumerate(plan.buckets):
+                for piece in bucket.pieces:
+                    if not self._share(i, piece, live[piece.tensor_index]):
+                        return []
+                self._shared.pop("segments", None)  # named in the spec, mapped as they attach
+                signal = json.dumps({**self._shared, "confirm": 1})
+                ahead.append((self._shared, signal))
+                self._shared, self._run = {}, []
+        finally:
+            self._shared, self._run = {}, []
+        return ahead
 
     def _ranks(self) -> range:
         return range(1, self.num_receivers + 1)
 
-    def _begin(self, spec: RefitSpec) -> None:
+    def _begin(self, spec: RefitSpec, live: bool) -> None:
         self._attached = False  # the receivers attach while the first two buckets are packed
+        self._ahead_now = live and bool(self._ahead)
+        if self._ahead_now:  # every bucket is read where prepare() found it: announce them all
+            stream = torch.cuda.current_stream(self.device)
+            for event in self._packed:
+                event.record(stream)
+            keys = [_key(spec.refit_id, "ready", i) for i in range(len(self._ahead))]
+            set_signals(self._store, keys, [signal for _, signal in self._ahead])
 
     def _attach(self, spec: RefitSpec) -> None:
         """Wait (once per refit) until every receiver has opened the buffers."""
@@ -256,6 +303,18 @@ class ColocatedSender(RefitSender):
         return True
 
     def _publish(self, spec: RefitSpec, index: int, slot: int, num_bytes: int) -> None:
+        if self._ahead_now:  # announced in _begin: check what the stream brought instead
+            shared, self._shared, self._run = self._shared, {}, []
+            expected = self._ahead[index][0]
+            if shared != expected:
+                raise ValueError(
+                    f"bucket {index} of the live stream is not where prepare() found it (runs "
+                    f"{shared.get('runs')}, expected {expected.get('runs')}): stream the "
+                    "tensors given to prepare(live_tensors=...), unmoved"
+                )
+            if index == len(spec.plan.buckets) - 1:
+                self._store.set(_key(spec.refit_id, "confirmed"), "1")
+            return
         if self.device.type == "cuda":
             # also orders the receivers' reads of live tensors after the trainer's last writes
             self._packed[slot].record(torch.cuda.current_stream(self.device))
@@ -279,6 +338,8 @@ class ColocatedSender(RefitSender):
         num_buckets = len(spec.plan.buckets)
         for index in range(num_buckets):
             self._store.delete_key(_key(spec.refit_id, "ready", index))
+        if self._ahead_now:
+            self._store.delete_key(_key(spec.refit_id, "confirmed"))
         for rank in self._ranks():
             self._store.delete_key(_key(spec.refit_id, "attached", rank))
             for index in range(num_buckets):
@@ -290,6 +351,8 @@ class ColocatedSender(RefitSender):
 
     def _abort(self, spec: RefitSpec, message: str) -> None:
         keys = [_key(spec.refit_id, "ready", i) for i in range(len(spec.plan.buckets))]
+        if self._ahead_now:  # the receivers have every ready signal: they wait for this one
+            keys.append(_key(spec.refit_id, "confirmed"))
         if keys:
             set_signals(self._store, keys, abort_signal(message))
 
@@ -298,6 +361,7 @@ class ColocatedSender(RefitSender):
         self._buffers = []
         self._packed, self._consumed = [], []
         self._segments, self._shared, self._run = SegmentTable(self.device), {}, []
+        self._ahead, self._ahead_now = [], False
         _unlink_all(self._paths)
         self._paths.clear()
         if self.device.type == "cuda" and allocated:  # hand the slots' memory back
@@ -324,6 +388,7 @@ class ColocatedReceiver(RefitReceiver):
         self._nothing = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._located: dict[int, tuple[int, int]] = {}  # where they are: segment, offset
         self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # segments as a dtype
+        self._confirming = False  # a ready signal was sent ahead: wait for "confirmed"
         if spec.device_type == "cpu":
             (path,) = spec.buffers
             self._map_buffers(path)  # from_file: cheap, and the sender unlinks it once attached
@@ -340,6 +405,11 @@ class ColocatedReceiver(RefitReceiver):
     def _map_buffers(self, path: str | None = None) -> None:
         size, num_slots = slot_layout(self.spec.plan)
         if path is not None:
+            if not os.path.exists(path):  # (from_file would create it, and leave it behind)
+                raise RefitError(
+                    f"refit {self.spec.refit_id}: the trainer's buffers {path} are gone: the "
+                    "refit already ended (a stale spec) or the trainer died"
+                )
             whole = torch.from_file(path, True, size * num_slots, dtype=torch.uint8)
         else:
             assert self._slots_at is not None, "a packed bucket's ready signal names the slots"
@@ -361,6 +431,7 @@ class ColocatedReceiver(RefitReceiver):
         if self.device.type == "cuda":  # consumers copy on the current stream, after the packing
             torch.cuda.current_stream(self.device).wait_event(self._packed[index % NUM_SLOTS])
         shared = {} if value == b"1" else json.loads(value)
+        self._confirming = self._confirming or "confirm" in shared
         for segment, (handle, size) in shared.get("segments", {}).items():
             self._known[int(segment)] = (handle, size)
         if "buffers" in shared:
@@ -407,6 +478,12 @@ class ColocatedReceiver(RefitReceiver):
         if self.device.type == "cuda":  # the consumers' copies of this slot are enqueued
             self._consumed[index % NUM_SLOTS].record(torch.cuda.current_stream(self.device))
         self._store.set(_key(self.spec.refit_id, "done", index, self.rank), "1")
+
+    def _confirm(self) -> None:
+        if self._confirming:
+            key = _key(self.spec.refit_id, "confirmed")
+            what = "the trainer to check the weight stream it announced ahead"
+            wait_signals(self._store, [key], self.spec.timeout_s, what)
 
     def _end(self, completed: bool) -> None:
         self._buffers, self._packed, self._consumed = [], [], []

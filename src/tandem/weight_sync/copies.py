@@ -142,10 +142,16 @@ class TargetRuns:
     """Tensors to fill in order from bytes that hold them back to back (a weight stream), with
     the runs of them that lie back to back in one storage worked out once: filling any range of
     them is then one byte copy per run it touches, with no per-tensor work. (A colocated
-    receiver fills its parameters this way from runs of a trainer's parameters.)"""
+    receiver fills its parameters this way from runs of a trainer's parameters.)
+
+    A consumer whose tensors stay where they are (``HfGenerator``'s parameters) builds this once
+    and passes it to every refit: ``RefitReceiver.copy_into`` then checks it against a plan only
+    when the plan's key changes (``checked``)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.tensors = list(tensors)
+        self.checked = ""
+        """``BucketPlan.key`` of the last plan these tensors were checked against."""
         self.starts = [0]
         """Byte offset of every tensor in the stream's packing (and the total, last)."""
         self.run_starts: list[int] = []

@@ -95,7 +95,7 @@ class SplitSender(RefitSender):
             group_generation=self._generation,
         )
 
-    def _begin(self, spec: RefitSpec) -> None:
+    def _begin(self, spec: RefitSpec, live: bool) -> None:
         if self._group is None:
             size = self.num_receivers + 1
             self._group = _new_group(
