@@ -333,19 +333,20 @@ class ColocatedSender(RefitSender):
 
     def _end(self, spec: RefitSpec) -> None:
         self._attach(spec)
-        # Every receiver is done with the last bucket, so every signal but "released" has been
-        # read: delete them while the receivers wait for their last copies and unmap.
+        # Every receiver is done with the last bucket, so every signal but "confirmed" (read
+        # after the last bucket) and "released" has been read: delete them while the receivers
+        # wait for their last copies and unmap.
         num_buckets = len(spec.plan.buckets)
         for index in range(num_buckets):
             self._store.delete_key(_key(spec.refit_id, "ready", index))
-        if self._ahead_now:
-            self._store.delete_key(_key(spec.refit_id, "confirmed"))
         for rank in self._ranks():
             self._store.delete_key(_key(spec.refit_id, "attached", rank))
             for index in range(num_buckets):
                 self._store.delete_key(_key(spec.refit_id, "done", index, rank))
         keys = [_key(spec.refit_id, "released", rank) for rank in self._ranks()]
         wait_signals(self._store, keys, spec.timeout_s, "the receivers to release the buffers")
+        if self._ahead_now:
+            keys.append(_key(spec.refit_id, "confirmed"))
         for key in keys:
             self._store.delete_key(key)
 
