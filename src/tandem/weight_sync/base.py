@@ -219,7 +219,8 @@ class RefitSender:
 
         ``live_tensors``: the tensors ``send(..., live=True)`` will stream, when they exist now
         (a trainer's parameters). A transport may then let the receivers map their memory as
-        they attach instead of on the first bucket that names it (colocated on CUDA does)."""
+        they attach instead of on the first bucket that names it, and announce every bucket
+        before ``send`` walks the stream, which it then checks (colocated on CUDA does both)."""
         if self._spec is not None:
             raise RuntimeError("prepare() called twice without send(); send the prepared refit")
         metas = tuple(as_metadata(metadata))
