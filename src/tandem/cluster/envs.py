@@ -4,6 +4,10 @@ Every actor kind runs in its own uv environment built from the project's committ
 trainer never installs vLLM. Environments are built on demand, cached under a key that hashes what
 they install, and reused.
 
+An environment holds dependencies only, never tandem itself: every actor imports tandem from the
+driver's source tree, put first on its ``PYTHONPATH`` (``source_root``). Two checkouts (a branch,
+a worktree, a CI clone) share the cached environments and each runs its own code.
+
 Public API
 ----------
 ``EnvSpec(name, extras)``            what one environment installs (the project + these extras).
@@ -149,6 +153,18 @@ def find_project_root() -> Path:
     )
 
 
+def source_root() -> Path:
+    """The folder the driver imports tandem from (``src/`` of a checkout, or site-packages):
+    actors put it first on ``PYTHONPATH`` so they run the driver's code."""
+    return Path(__file__).resolve().parents[2]
+
+
+def _with_source_root(variables: dict[str, str]) -> dict[str, str]:
+    """``variables`` with the driver's source root ahead of any ``PYTHONPATH`` they carry."""
+    parts = [str(source_root()), *filter(None, variables.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**variables, "PYTHONPATH": os.pathsep.join(dict.fromkeys(parts))}
+
+
 def uv_command() -> list[str]:
     """``uv`` on PATH, else ``python -m uv``."""
     exe = shutil.which("uv")
@@ -219,8 +235,8 @@ class EnvBuilder:
     completion marker is written, so a failed or interrupted build never leaves a directory that
     looks usable. Renaming is safe because the venv is created with ``uv venv --relocatable``:
     ``bin/python`` is a symlink to the base interpreter, pyvenv.cfg names only that interpreter,
-    the editable install's .pth names the source tree, and uv then writes entry-point scripts
-    (``bin/ray``...) that locate their interpreter relative to themselves (checked with uv 0.13).
+    and uv then writes entry-point scripts (``bin/ray``...) that locate their interpreter
+    relative to themselves (checked with uv 0.13).
     """
 
     def __init__(self, project_root: Path | None = None, root: Path | None = None):
@@ -251,7 +267,7 @@ class EnvBuilder:
                 "requirements": self._requirements[spec],
                 "python": [platform.python_implementation(), platform.python_version()],
                 "spec": asdict(spec),
-                "layout": "uv-relocatable-bytecode-1",  # bump when the build recipe changes
+                "layout": "uv-relocatable-bytecode-deps-only-2",  # bump when the recipe changes
             }
             blob = json.dumps(payload, sort_keys=True).encode()
             self._keys[spec] = hashlib.sha256(blob).hexdigest()
@@ -294,7 +310,9 @@ class EnvBuilder:
             cmd = [*self._uv, "venv", "--relocatable", "--quiet", "--python", self.python, str(tmp)]
             _run(cmd, self.project_root, env, f"uv venv for {spec.name!r}")
             env["UV_PROJECT_ENVIRONMENT"] = str(tmp)
-            cmd = [*self._uv, "sync", "--frozen", "--no-dev", "--compile-bytecode", "--quiet"]
+            # dependencies only: actors import tandem from the driver's tree (module docstring)
+            cmd = [*self._uv, "sync", "--frozen", "--no-dev", "--no-install-project"]
+            cmd += ["--compile-bytecode", "--quiet"]
             _run([*cmd, *_extra_flags(spec)], self.project_root, env, f"uv sync of {spec.name!r}")
             seconds = time.perf_counter() - start
             marker = {
@@ -365,6 +383,7 @@ def runtime_env_for(
     long as the nodes share the cache root's path, the Python version and the checkout."""
     resolved = env_mode(mode)
     variables = {"TANDEM_ACTOR_KIND": kind, ENV_MODE_VAR: resolved, **(env_vars or {})}
+    variables = _with_source_root(variables)
     if resolved == "shared":
         return {"py_executable": sys.executable, "env_vars": variables}
     info = _ensure_reporting(EnvBuilder(), spec_for(kind), rebuild=False, quiet_if_cached=True)

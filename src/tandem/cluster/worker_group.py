@@ -4,8 +4,8 @@ The worker class knows nothing of Ray: each actor is a small host that sets the
 ``torch.distributed`` rendezvous variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``) and then builds the worker, passing ``rank`` and ``world_size``
 to its constructor when it takes them. The worker's module must be importable in the actor's
-interpreter (tandem is installed editable in every environment; anything else can be put on
-``PYTHONPATH`` through ``env_vars``).
+interpreter (tandem comes from the driver's source tree, first on every actor's ``PYTHONPATH``;
+anything else can be put on ``PYTHONPATH`` through ``env_vars``).
 
 Public API
 ----------
