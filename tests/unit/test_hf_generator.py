@@ -167,3 +167,18 @@ def test_receive_weights_through_a_refit_copies_bucket_by_bucket(generator: HfGe
         assert kept[0] is kept[1] is not None
     finally:
         sender.close()
+
+
+def test_gumbel_noise_draws_from_the_softmax_and_depends_only_on_key_and_step() -> None:
+    from tandem.generation.hf_generator import gumbel_noise, sample_keys
+
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf")])
+    keys = sample_keys(list(range(40_000)), torch.device("cpu"))
+    draws = (logits + gumbel_noise(keys, step=3, vocab_size=5)).argmax(-1)
+    frequencies = torch.bincount(draws, minlength=5).double() / len(draws)
+    assert frequencies.tolist() == pytest.approx(torch.softmax(logits, -1).tolist(), abs=0.01)
+    assert frequencies[4] == 0  # filtered-out tokens are never drawn
+    # row b's noise is a function of (key b, step): the same in any batch, new at each step
+    alone = gumbel_noise(keys[7:8], step=3, vocab_size=5)
+    assert torch.equal(alone[0], gumbel_noise(keys, step=3, vocab_size=5)[7])
+    assert not torch.equal(alone, gumbel_noise(keys[7:8], step=4, vocab_size=5))

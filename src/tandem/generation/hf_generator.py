@@ -3,13 +3,16 @@ against.
 
 It runs its own decode loop over the Hugging Face model (prefill, then one token per step with
 the KV cache, left-padded batches) instead of ``model.generate``, for two reasons: each sample
-gets its own seeded RNG stream (results do not depend on batch composition, like vLLM's
+gets its own seeded random stream (results do not depend on batch composition, like vLLM's
 per-request seeds), and the logprob of each sampled token is taken from the raw logits, which is
-vLLM's ``raw_logprobs`` semantics (see ``tandem.generation.base``).
+vLLM's ``raw_logprobs`` semantics (see ``tandem.generation.base``). The loop stays on the device
+(per-row streams are counter-based noise, not one torch.Generator per row), with one host sync
+per step as in ``generate``.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +31,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class _Sample:
     tokens: list[int]
     logprobs: list[float]
-    text: str = ""
-    finish_reason: FinishReason = "length"
-    done: bool = False
+    text: str
+    finish_reason: FinishReason
 
 
 def _target(state: dict[str, torch.Tensor], name: str, tensor: Any) -> torch.Tensor:
@@ -47,6 +49,42 @@ def _target(state: dict[str, torch.Tensor], name: str, tensor: Any) -> torch.Ten
             f"the model expects {tuple(state[name].shape)}"
         )
     return state[name]
+
+
+def _int64(value: int) -> int:
+    """``value`` modulo 2**64, as the signed 64-bit integer a torch.long holds."""
+    return (value + 2**63) % 2**64 - 2**63
+
+
+_GOLDEN = _int64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors: multiplications wrap; the masks make the
+    (arithmetic) right shifts logical."""
+    x = x ^ ((x >> 30) & (2**34 - 1))
+    x = x * _MIX1
+    x = x ^ ((x >> 27) & (2**37 - 1))
+    x = x * _MIX2
+    return x ^ ((x >> 31) & (2**33 - 1))
+
+
+def sample_keys(seeds: list[int | None], device: torch.device) -> torch.Tensor:
+    """One 64-bit key per sample: its seed mixed, or a random one where the seed is None."""
+    values = [_int64(s) if s is not None else secrets.randbits(63) for s in seeds]
+    return _mix(torch.tensor(values, dtype=torch.long, device=device))
+
+
+def gumbel_noise(keys: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor:
+    """``[B, V]`` standard Gumbel noise, a pure function of (key of row b, step, token v): a
+    sample's stream does not depend on the batch around it (vLLM's per-request seeds give
+    the same property). argmax(logits + noise) is an exact draw from softmax(logits)."""
+    row = _mix(keys + _int64(step * _GOLDEN))
+    vocab = torch.arange(vocab_size, dtype=torch.long, device=keys.device) * _GOLDEN
+    bits = (_mix(row[:, None] + vocab) >> 40) & (2**24 - 1)
+    uniform = (bits.to(torch.float32) + 0.5) * 2.0**-24  # in (0, 1)
+    return -torch.log(-torch.log(uniform))
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -127,79 +165,99 @@ class HfGenerator(Generator):
     def _generate_batch(
         self, prompts: list[list[int]], seeds: list[int | None], params: SamplingParams
     ) -> list[_Sample]:
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        """Decode a left-padded batch on the device: one host sync per step (the "all done"
+        check), as ``transformers.generate``; finished rows keep decoding padding until all
+        are done. Stop strings need the text, so with ``params.stop`` the new tokens come to
+        the host every step."""
+        size, width = len(prompts), max(len(p) for p in prompts)
+        steps = params.max_tokens
+        input_ids = torch.full((size, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((size, width + steps), dtype=torch.long)
         for row, prompt in enumerate(prompts):  # left padding: the next token is at the end
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            attention_mask[row, width - len(prompt) :] = 1
+            attention_mask[row, width - len(prompt) : width] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        rngs = [self._rng(seed) for seed in seeds]
-        samples = [_Sample([], []) for _ in prompts]
+        position_ids = (attention_mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+        keys = sample_keys(seeds, self.device)
+        eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=self.device)
+        tokens = torch.full((size, steps), self.pad_token_id, dtype=torch.long, device=self.device)
+        logprobs = torch.zeros((size, steps), dtype=torch.float32, device=self.device)
+        lengths = torch.zeros(size, dtype=torch.long, device=self.device)
+        stopped = torch.zeros(size, dtype=torch.bool, device=self.device)
+        stop_cut: dict[int, str] = {}
         out = self.model(
             input_ids=input_ids,
-            attention_mask=attention_mask,
+            attention_mask=attention_mask[:, :width],
             position_ids=position_ids,
             use_cache=True,
+            logits_to_keep=1,
         )
-        for _ in range(params.max_tokens):
+        for step in range(steps):
             logits = out.logits[:, -1, :].float()
-            tokens = self._sample(logits, rngs, params)
-            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
-            for row, sample in enumerate(samples):
-                if not sample.done:
-                    self._append(sample, int(tokens[row]), float(logprobs[row]), params)
-            if all(s.done for s in samples):
+            token = self._sample(logits, keys, step, params)
+            active = ~stopped
+            tokens[:, step] = torch.where(active, token, self.pad_token_id)
+            logprob = torch.log_softmax(logits, dim=-1).gather(-1, token[:, None])[:, 0]
+            logprobs[:, step] = torch.where(active, logprob, 0.0)
+            lengths += active
+            stopped |= active & torch.isin(token, eos)
+            if params.stop:
+                self._cut_stop_strings(tokens, lengths, stopped, stop_cut, params.stop)
+            if step + 1 == steps or bool(stopped.all()):
                 break
-            attention_mask = torch.cat(
-                [attention_mask, attention_mask.new_ones((len(prompts), 1))], 1
-            )
+            attention_mask[:, width + step] = 1
             position_ids = position_ids[:, -1:] + 1
             out = self.model(
-                input_ids=tokens[:, None],
-                attention_mask=attention_mask,
+                input_ids=token[:, None],
+                attention_mask=attention_mask[:, : width + step + 1],
                 position_ids=position_ids,
                 past_key_values=out.past_key_values,
                 use_cache=True,
             )
-        for sample in samples:
-            if not sample.done:
-                sample.text = self._decode(sample.tokens)
+        return self._samples(tokens, logprobs, lengths, stopped, stop_cut)
+
+    def _cut_stop_strings(
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        stopped: torch.Tensor,
+        stop_cut: dict[int, str],
+        stop: tuple[str, ...],
+    ) -> None:
+        """Stop the rows whose text now contains a stop string; keep their text cut before it."""
+        for row in (~stopped).nonzero().flatten().tolist():
+            text = self._decode(tokens[row, : int(lengths[row])].tolist())
+            cuts = [text.find(s) for s in stop if s in text]
+            if cuts:
+                stopped[row] = True
+                stop_cut[row] = text[: min(cuts)]
+
+    def _samples(
+        self,
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        lengths: torch.Tensor,
+        stopped: torch.Tensor,
+        stop_cut: dict[int, str],
+    ) -> list[_Sample]:
+        columns = (tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist())
+        samples = []
+        for row, (row_tokens, row_logprobs, length, done) in enumerate(zip(*columns, strict=True)):
+            ids = row_tokens[:length]
+            text = stop_cut[row] if row in stop_cut else self._decode(ids)
+            reason: FinishReason = "stop" if done else "length"
+            samples.append(_Sample(ids, row_logprobs[:length], text, reason))
         return samples
 
-    def _rng(self, seed: int | None) -> torch.Generator:
-        rng = torch.Generator(device=self.device)
-        if seed is None:
-            rng.seed()
-        else:
-            rng.manual_seed(seed)
-        return rng
-
     def _sample(
-        self, logits: torch.Tensor, rngs: list[torch.Generator], params: SamplingParams
+        self, logits: torch.Tensor, keys: torch.Tensor, step: int, params: SamplingParams
     ) -> torch.Tensor:
+        """Greedy, or a Gumbel-max draw from the filtered distribution with each row's own
+        counter-based noise (``gumbel_noise``): exact sampling, one kernel for the batch."""
         if params.temperature == 0:
             return logits.argmax(dim=-1)
-        probs = torch.softmax(filter_logits(logits, params), dim=-1)
-        picks = [torch.multinomial(probs[row], 1, generator=rng) for row, rng in enumerate(rngs)]
-        return torch.cat(picks)
-
-    def _append(self, sample: _Sample, token: int, logprob: float, params: SamplingParams) -> None:
-        sample.tokens.append(token)
-        sample.logprobs.append(logprob)
-        if token in self.eos_token_ids:
-            sample.done, sample.finish_reason = True, "stop"
-            sample.text = self._decode(sample.tokens)
-            return
-        if params.stop:
-            text = self._decode(sample.tokens)
-            cuts = [text.find(s) for s in params.stop if s in text]
-            if cuts:
-                sample.done, sample.finish_reason, sample.text = True, "stop", text[: min(cuts)]
-                return
-        if len(sample.tokens) >= params.max_tokens:
-            sample.done, sample.text = True, self._decode(sample.tokens)
+        filtered = filter_logits(logits, params)
+        return (filtered + gumbel_noise(keys, step, logits.shape[-1])).argmax(dim=-1)
 
     def _decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
