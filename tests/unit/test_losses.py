@@ -328,3 +328,18 @@ def test_nll_loss_is_global_token_mean_and_adds_up() -> None:
     second, _ = nll_loss(logprobs[1:], batch.select(slice(1, 2)), 3, 2)
     assert first.item() == pytest.approx(LN2)
     assert second.item() == pytest.approx(LN2 / 3)
+
+
+def test_logprob_mismatch_is_the_token_mean_gap_to_the_generator_over_the_whole_batch() -> None:
+    # Two micro-batches of one global batch of 3 trained tokens: |0.5 - 0.2|, |-1 - -1.5| and
+    # |-2 - -2| over 3 tokens = 0.8 / 3; the prompt position's huge gap does not count.
+    loss = ClippedPolicyLoss()
+    first = make_batch([[0, 1, 1]], advantages=[[0, 1, 1]], generator_logprobs=[[9, 0.2, -1.5]])
+    second = make_batch([[0, 0, 1]], advantages=[[0, 0, 1]], generator_logprobs=[[0, 0, -2]])
+    total = sum(
+        loss(torch.tensor(lp), batch, 3, 2)[1]["logprob_mismatch"].item()
+        for lp, batch in (([[-9.0, 0.5, -1.0]], first), ([[0.0, 0.0, -2.0]], second))
+    )
+    assert total == pytest.approx(0.8 / 3)
+    no_generator = make_batch([[0, 1]], advantages=[[0, 1]])
+    assert "logprob_mismatch" not in loss(torch.zeros(1, 2), no_generator, 1, 1)[1]

@@ -208,6 +208,11 @@ class ClippedPolicyLoss:
                 total_token = total_token + cfg.kl_coef * kl_token
         if entropy is not None:
             metrics["entropy"] = per_token_mean(entropy)
+        if micro_batch.generator_logprobs is not None:
+            # the generator/trainer mismatch after the last refit, from this very forward
+            generator = micro_batch.generator_logprobs.to(logprobs.dtype)
+            gap = torch.where(where, (logprobs - generator).abs(), 0.0)
+            metrics["logprob_mismatch"] = per_token_mean(gap)
 
         loss = self.aggregate(total_token, mask, num_global_tokens, num_global_sequences)
         metrics["pg_loss"] = self.aggregate(
