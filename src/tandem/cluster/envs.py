@@ -160,8 +160,11 @@ def source_root() -> Path:
 
 
 def _with_source_root(variables: dict[str, str]) -> dict[str, str]:
-    """``variables`` with the driver's source root ahead of any ``PYTHONPATH`` they carry."""
-    parts = [str(source_root()), *filter(None, variables.get("PYTHONPATH", "").split(os.pathsep))]
+    """``variables`` with ``PYTHONPATH`` = the driver's source root, then the paths they carry,
+    then the driver's own ``PYTHONPATH`` (which actors inherited before: a runtime env's
+    ``PYTHONPATH`` replaces the inherited one)."""
+    paths = [variables.get("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
+    parts = [str(source_root()), *filter(None, os.pathsep.join(paths).split(os.pathsep))]
     return {**variables, "PYTHONPATH": os.pathsep.join(dict.fromkeys(parts))}
 
 
