@@ -149,22 +149,23 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
         with_reference=algo.kl_coef > 0,
         total_steps=algo.num_steps,
     )
-    with Runtime(spec) as runtime:
+    with Runtime.start(spec) as runtime:
         return run_loop(
             config,
             "grpo",
             runtime,
             algo.num_steps,
             algo.eval_every,
-            lambda step: (
-                grpo_step(
+            lambda step: {
+                **grpo_step(
                     runtime,
                     config,
                     source.train_prompts(step - 1, algo.prompts_per_step),
                     step,
                     source,
-                ).metrics
-            ),
+                ).metrics,
+                **runtime.take_metrics(),  # what the memory phases cost (colocated GPUs)
+            },
             lambda: evaluate(
                 runtime, source, config.data.num_eval_prompts, config.generation.sampling
             ),
@@ -194,7 +195,7 @@ def run_sft(config: SftConfig, resume: bool = False) -> list[dict[str, Any]]:
         runtime.refit()
         return evaluate(runtime, source, config.data.num_eval_prompts, sampling)
 
-    with Runtime(spec) as runtime:
+    with Runtime.start(spec) as runtime:
         records = run_loop(
             config,
             "sft",

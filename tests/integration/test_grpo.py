@@ -50,7 +50,7 @@ def final_weights(run_dir: Path, name: str, tmp: Path) -> dict[str, torch.Tensor
     spec = RuntimeSpec(
         config.cluster, config.policy, config.generation, config.refit, with_generators=False
     )
-    with Runtime(spec) as runtime:
+    with Runtime.start(spec) as runtime:
         latest = (run_dir / name / "checkpoints" / "latest").read_text().strip()
         runtime.load_checkpoint(str(run_dir / name / "checkpoints" / latest / "trainer"))
         runtime.export_hf(str(tmp / name))

@@ -77,7 +77,7 @@ def _runtime(transport: str, num_trainers: int, policy: PolicyConfig = POLICY) -
         env_mode="shared",
     )
     spec = RuntimeSpec(cluster, policy, GENERATION, RefitConfig(transport=transport))
-    return Runtime(spec)
+    return Runtime.start(spec)
 
 
 def _max_gap(a: list[Rollout], b: list[Rollout]) -> float:

@@ -39,8 +39,8 @@ def test_generate_fans_out_and_a_killed_generator_is_named(
     prompts = [local.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     expected = local.generate(prompts, GREEDY)
 
-    runtime = Runtime(_spec(num_generators=2))
-    group_id = runtime._placement.placement_group.id.hex()
+    runtime = Runtime.start(_spec(num_generators=2))
+    group_id = runtime.placement.placement_group.id.hex()
     trainer_actors = list(runtime.trainers.actors)
     try:
         # 5 prompts over 2 engines (3 + 2): rollouts come back in prompt order, indices global

@@ -1,7 +1,8 @@
 """GRPO, synchronous: generate, score, compute advantages, train, refit — one step at a time.
 
-The loop talks to the workers only through ``tandem.cluster.runtime.Runtime`` and never branches
-on placement or transport; everything here is tensors and typed batches.
+The loop talks to the workers only through a ``RolloutRuntime`` (``algorithms/protocols.py``) and
+never branches on placement, transport or memory phases; everything here is tensors and typed
+batches.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import torch
 
 from tandem.algorithms.advantages import compute_advantages, token_advantages
 from tandem.algorithms.losses import ClippedPolicyLoss, PolicyLossConfig
+from tandem.algorithms.protocols import RolloutRuntime
 from tandem.algorithms.rollouts import rollouts_to_batch, score_rollouts
 from tandem.config.models import GrpoConfig, SamplingConfig
-from tandem.data.batch import TrainBatch
 from tandem.data.prompts import PromptSource
 from tandem.generation.base import SamplingParams
 
@@ -26,7 +27,6 @@ log = logging.getLogger(__name__)
 @dataclass
 class StepResult:
     metrics: dict[str, float]
-    batch: TrainBatch
 
 
 def policy_loss(config: GrpoConfig) -> ClippedPolicyLoss:
@@ -45,9 +45,18 @@ def policy_loss(config: GrpoConfig) -> ClippedPolicyLoss:
 
 
 def grpo_step(
-    runtime, config: GrpoConfig, prompts: list[dict[str, str]], step: int, source: PromptSource
+    runtime: RolloutRuntime,
+    config: GrpoConfig,
+    prompts: list[dict[str, str]],
+    step: int,
+    source: PromptSource,
 ) -> StepResult:
-    """One GRPO step on ``prompts``; returns the step's metrics."""
+    """One GRPO step on ``prompts``; returns the step's metrics.
+
+    With one optimizer step per batch the policy that generated the data is the one being
+    trained, so the old logprobs are the training forward's own (the ratio is 1): no separate
+    logprob pass; the generator/trainer mismatch comes from that same forward (the loss's
+    ``logprob_mismatch`` metric)."""
     algo = config.algorithm
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -75,11 +84,14 @@ def grpo_step(
     batch.advantages = token_advantages(advantages, batch.loss_mask)
 
     t0 = time.perf_counter()
-    batch.old_logprobs = runtime.policy_logprobs(batch)
     if algo.kl_coef > 0:
         batch.reference_logprobs = runtime.reference_logprobs(batch)
     timings["timing/logprobs_s"] = time.perf_counter() - t0
-    mismatch = logprob_mismatch(batch)
+
+    t0 = time.perf_counter()
+    train_metrics = runtime.train(batch, policy_loss(config))
+    timings["timing/train_s"] = time.perf_counter() - t0
+    mismatch = train_metrics["logprob_mismatch"]
     if mismatch > config.refit.logprob_mismatch_alarm:
         log.warning(
             "step %d: generator/trainer logprob mismatch %.3g exceeds refit.logprob_mismatch_alarm"
@@ -88,10 +100,6 @@ def grpo_step(
             mismatch,
             config.refit.logprob_mismatch_alarm,
         )
-
-    t0 = time.perf_counter()
-    train_metrics = runtime.train(batch, policy_loss(config))
-    timings["timing/train_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     refit_stats = runtime.refit()
@@ -115,19 +123,11 @@ def grpo_step(
         "throughput/tokens_per_s": num_tokens / timings["timing/step_s"],
         **timings,
     }
-    return StepResult(metrics=metrics, batch=batch)
-
-
-def logprob_mismatch(batch: TrainBatch) -> float:
-    """Mean |generator - trainer| logprob over response tokens (after the latest refit)."""
-    assert batch.generator_logprobs is not None and batch.old_logprobs is not None
-    mask = batch.loss_mask.bool()
-    diff = (batch.generator_logprobs - batch.old_logprobs).abs()[mask]
-    return float(diff.mean()) if diff.numel() else 0.0
+    return StepResult(metrics=metrics)
 
 
 def evaluate(
-    runtime, source: PromptSource, num_prompts: int, sampling: SamplingConfig
+    runtime: RolloutRuntime, source: PromptSource, num_prompts: int, sampling: SamplingConfig
 ) -> dict[str, float]:
     """Greedy accuracy on the fixed held-out prompts."""
     prompts = source.eval_prompts(num_prompts)

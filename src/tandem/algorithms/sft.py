@@ -7,6 +7,7 @@ import time
 import torch
 
 from tandem.algorithms.losses import nll_loss
+from tandem.algorithms.protocols import RolloutRuntime
 from tandem.data.batch import TrainBatch
 from tandem.data.prompts import PromptSource
 
@@ -31,7 +32,9 @@ def sft_batch(source: PromptSource, items: list[dict[str, str]]) -> TrainBatch:
     return TrainBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
 
 
-def sft_step(runtime, source: PromptSource, step: int, batch_size: int) -> dict[str, float]:
+def sft_step(
+    runtime: RolloutRuntime, source: PromptSource, step: int, batch_size: int
+) -> dict[str, float]:
     start = time.perf_counter()
     batch = sft_batch(source, source.train_prompts(step - 1, batch_size))
     metrics = runtime.train(batch, nll_loss)

@@ -6,12 +6,13 @@ directly in one process.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tandem.config.models import GenerationConfig, PolicyConfig, RefitConfig
+from tandem.config.models import GenerationConfig, PolicyConfig, RefitConfig, generator_dtype
 from tandem.data.batch import TrainBatch
 
 
@@ -51,6 +52,8 @@ class TrainerWorker:
         self.refit_config = refit
         self.num_receivers = num_receivers
         self._sender: Any = None
+        # the generators' dtype: the refit casts to it (a cast stream is not live)
+        self.refit_dtype = getattr(torch, generator_dtype(policy, generation))
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self.policy.logprobs(batch)
@@ -81,7 +84,7 @@ class TrainerWorker:
             )
         metas = [
             (name, torch.empty(shape, dtype=dtype, device="meta"))
-            for name, shape, dtype in self.policy.weight_metadata()
+            for name, shape, dtype in self.policy.weight_metadata(self.refit_dtype)
         ]
         stream = self._weight_stream(iter(metas))
         # the parameters the refit will read in place: the generators may map them as they attach
@@ -89,12 +92,16 @@ class TrainerWorker:
         return self._sender.prepare(metadata_of(stream), live_tensors=live)
 
     def _streams_live(self) -> bool:
-        # FP8 quantisation makes new tensors; only the parameters themselves are live
-        return self.policy.streams_live_weights and self.generation.precision != "fp8"
+        # FP8 quantisation and casts make new tensors; only the parameters themselves are live
+        return (
+            self.policy.streams_live_weights
+            and self.generation.precision != "fp8"
+            and all(dtype == self.refit_dtype for _, _, dtype in self.policy.weight_metadata())
+        )
 
     def send_weights(self) -> dict[str, float]:
         """Stream the weights (a collective over trainer ranks; rank 0 sends)."""
-        stream = self._weight_stream(self.policy.iter_weights())
+        stream = self._weight_stream(self.policy.iter_weights(self.refit_dtype))
         if self.rank != 0:
             for _ in stream:  # other ranks take part in the gathers only
                 pass
@@ -110,11 +117,44 @@ class TrainerWorker:
     def export_hf(self, path: str) -> None:
         self.policy.export_hf(Path(path))
 
-    def offload(self) -> None:
-        self.policy.offload()
+    def set_residency(
+        self, policy: bool | None = None, reference: bool | None = None
+    ) -> dict[str, float]:
+        """Move the policy's and the reference's state to the device (True) or the host (False);
+        None leaves one as it is. Offloads run before onloads, so both never peak together.
+        Returns the seconds each move took and the device bytes allocated after them."""
+        stats: dict[str, float] = {}
+        moves = [("policy", self.policy, policy), ("reference", self.reference, reference)]
+        for name, trainer, resident in sorted(moves, key=lambda move: bool(move[2])):
+            if trainer is None or resident is None or trainer.resident == resident:
+                continue
+            start = time.perf_counter()
+            trainer.onload() if resident else trainer.offload()
+            stats[f"{name}_{'onload' if resident else 'offload'}_s"] = time.perf_counter() - start
+        if stats and torch.cuda.is_available():
+            stats["allocated_bytes"] = float(torch.cuda.memory_allocated())
+        return stats
 
-    def onload(self) -> None:
-        self.policy.onload()
+    def pin_offload_memory(self) -> None:
+        """Pin the host memory of the policy's and the reference's offloads, in the
+        background (the colocated runtime calls this once, right after start)."""
+        for trainer in (self.policy, self.reference):
+            if trainer is not None:
+                trainer.pin_offload_memory()
+
+    def memory_stats(self, reset_peak: bool = False) -> dict[str, float]:
+        """This process's device memory: allocated, reserved, and the peak since the last
+        reset (``reset_peak`` starts a new window after reading)."""
+        if not torch.cuda.is_available():
+            return {}
+        stats = {
+            "allocated_bytes": float(torch.cuda.memory_allocated()),
+            "reserved_bytes": float(torch.cuda.memory_reserved()),
+            "peak_bytes": float(torch.cuda.max_memory_allocated()),
+        }
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats()
+        return stats
 
 
 class GeneratorWorker:
@@ -125,7 +165,10 @@ class GeneratorWorker:
         from tandem.generation import make_generator
 
         self.rank = rank
-        self.generator = make_generator(generation, Path(model_path), str(default_device(rank)))
+        dtype = "float32" if generation.dtype == "auto" else generation.dtype  # Runtime resolves
+        self.generator = make_generator(
+            generation, Path(model_path), str(default_device(rank)), dtype=dtype
+        )
 
     def generate(self, prompt_token_ids: list[list[int]], params: Any) -> list[Any]:
         return self.generator.generate(prompt_token_ids, params)
@@ -136,8 +179,8 @@ class GeneratorWorker:
     def sleep(self) -> None:
         self.generator.sleep()
 
-    def wake_up(self) -> None:
-        self.generator.wake_up()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.generator.wake_up(tags)
 
     def shutdown(self) -> None:
         self.generator.shutdown()

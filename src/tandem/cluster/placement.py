@@ -13,10 +13,12 @@ Public API
 ``create_placement(mode, num_trainers, num_generators, cpus_per_actor=1.0, gpus_per_actor=1.0,
   use_gpus=None, timeout_s=60.0) -> Placement``
 ``make_placement(cluster: ClusterConfig) -> Placement`` (the same, from the config section).
+``actor_threads(cluster, num_cores=None) -> int``: the CPU threads each actor computes with.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -141,3 +143,19 @@ def make_placement(cluster: ClusterConfig) -> Placement:
         cpus_per_actor=cluster.cpus_per_actor,
         gpus_per_actor=cluster.gpus_per_actor,
     )
+
+
+def actor_threads(cluster: ClusterConfig, num_cores: int | None = None) -> int:
+    """Threads per actor: ``cluster.threads_per_actor``, else this node's cores (``num_cores``,
+    default the cores this process may run on) over the actors computing at the same time.
+
+    Ray gives an actor ``OMP_NUM_THREADS`` = its CPU request (1 for a fraction), so colocated
+    actors, which take turns, each computed on one core of two; they get the whole share."""
+    if cluster.threads_per_actor is not None:
+        return cluster.threads_per_actor
+    cores = num_cores or len(os.sched_getaffinity(0))
+    if cluster.placement == "colocated":
+        concurrent = max(cluster.num_trainers, cluster.num_generators)
+    else:
+        concurrent = cluster.num_trainers + cluster.num_generators
+    return max(1, cores // concurrent)

@@ -1,21 +1,54 @@
-"""The RL runtime: trainer and generator worker groups on a Ray cluster, and the calls the
-algorithm makes on them. Placement (colocated/split), the memory phases of colocated GPUs and the
-refit transport are handled here, so the algorithm never branches on them."""
+"""The RL runtime: trainer and generator worker groups, and the calls the algorithm makes on them
+(``algorithms.protocols.RolloutRuntime``). Placement, the memory phases of colocated GPUs and the
+refit transport are handled here, so the algorithm never branches on them.
+
+Memory phases. On colocated GPUs trainers and generators share each device and take turns. Every
+call states what it needs and ``_enter`` makes it so, releasing before acquiring (offload and
+sleep first, then onload and wake), so no call can meet an offloaded trainer or an engine that
+holds memory the trainer needs, whatever order the algorithm calls them in:
+
+    call                      policy    reference   generators
+    generate                  host      host        awake (weights current: refit first if not)
+    policy_logprobs, train    device    host        asleep
+    reference_logprobs        -         device      asleep
+    refit                     device    host        weights only (the KV cache wakes at generate)
+    checkpoints, export       device    -           asleep
+
+(``-``: left as it is.) Waking the weights before the KV cache is the staged wake-up that keeps
+the refit's peak at trainer state + generator weights + buckets. Off colocated GPUs nothing moves
+and ``_enter`` returns at once.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from tandem.cluster.actors import GeneratorWorker, TrainerWorker
-from tandem.config.models import ClusterConfig, GenerationConfig, PolicyConfig, RefitConfig
+from tandem.cluster.groups import Group, WorkerError
+from tandem.config.models import (
+    ClusterConfig,
+    GenerationConfig,
+    PolicyConfig,
+    RefitConfig,
+    generator_dtype,
+)
 from tandem.data.batch import TrainBatch
 
+if TYPE_CHECKING:
+    from tandem.algorithms.protocols import LossFn
+    from tandem.cluster.placement import Placement
+    from tandem.generation.base import Rollout, SamplingParams
+
 logger = logging.getLogger(__name__)
+
+GeneratorPhase = Literal["asleep", "weights", "awake"]
+"""asleep: no device memory; weights: weights resident, no KV cache; awake: ready to generate."""
 
 
 @dataclass
@@ -30,47 +63,109 @@ class RuntimeSpec:
     """Optimizer steps of the run (the learning-rate schedule's horizon)."""
 
 
-class Runtime:
-    """Worker groups of one run. ``close()`` (or a ``with`` block) shuts them down."""
+@dataclass
+class _Phase:
+    """Where each side is now (the driver's record; the workers' moves are idempotent)."""
 
-    def __init__(self, spec: RuntimeSpec):
-        from tandem.cluster.placement import make_placement
+    policy: bool = True
+    """The policy's state is on the device."""
+    reference: bool = True
+    generators: GeneratorPhase = "awake"
+    weights_current: bool = True
+    """The generators hold the trainer's latest weights (a deep sleep discards them)."""
+
+
+class Runtime:
+    """Worker groups of one run. ``close()`` (or a ``with`` block) shuts them down.
+
+    ``Runtime.start(spec)`` places Ray actors; ``Runtime(trainers, generators, ...)`` takes any
+    ``Group``, e.g. ``LocalGroup`` of plain workers in this process. ``memory_phases`` turns on
+    the colocated-GPU phases (module docstring); ``discards_weights``: a generator's sleep drops
+    its weights (a refit must follow before it generates again)."""
+
+    def __init__(
+        self,
+        trainers: Group,
+        generators: Group | None = None,
+        memory_phases: bool = False,
+        discards_weights: bool = False,
+        with_reference: bool = False,
+        on_close: Callable[[], None] | None = None,
+    ):
+        self.trainers, self.generators = trainers, generators
+        self.memory_phases = memory_phases
+        self.discards_weights = discards_weights
+        self.with_reference = with_reference
+        self._on_close = on_close
+        self._phase = _Phase()
+        self._metrics: dict[str, float] = {}
+        self.placement: Placement | None = None
+        """The Ray placement group of a started runtime (None in-process)."""
+
+    @classmethod
+    def start(cls, spec: RuntimeSpec) -> Runtime:
+        """Start (or join) Ray, place the actors as ``spec.cluster`` says and build them."""
+        from tandem.cluster.actors import GeneratorWorker, TrainerWorker
+        from tandem.cluster.placement import actor_threads, make_placement
         from tandem.cluster.ray_cluster import init_ray
         from tandem.cluster.worker_group import WorkerGroup
 
         cluster = spec.cluster
+        # the generators compute in the trainer's compute dtype unless told otherwise
+        generation = spec.generation.model_copy(
+            update={"dtype": generator_dtype(spec.policy, spec.generation)}
+        )
         init_ray(address=cluster.address)
         refit = spec.refit
         if refit.transport == "auto":
             refit = refit.model_copy(update={"transport": cluster.placement})
         placement = make_placement(cluster)
-        self._placement = placement
-        self.colocated_gpu = cluster.placement == "colocated" and torch.cuda.is_available()
-        self.trainers = WorkerGroup(
-            TrainerWorker,
-            cluster.num_trainers,
-            kind="trainer",
-            kwargs=dict(
-                policy=spec.policy,
-                refit=refit,
-                generation=spec.generation,
-                with_reference=spec.with_reference,
-                num_receivers=cluster.num_generators * spec.generation.tensor_parallel_size,
-                total_steps=spec.total_steps,
-            ),
-            bundles=placement.trainer_bundles,
-            env_mode=cluster.env_mode,
-        )
-        self.generators = None
-        if spec.with_generators:
-            self.generators = WorkerGroup(
-                GeneratorWorker,
-                cluster.num_generators,
-                kind="generator",
-                kwargs=dict(generation=spec.generation, model_path=str(spec.policy.model_path)),
-                bundles=placement.generator_bundles,
+        threads = str(actor_threads(cluster))
+        env_vars = {"OMP_NUM_THREADS": threads}
+        try:
+            trainers = WorkerGroup(
+                TrainerWorker,
+                cluster.num_trainers,
+                kind="trainer",
+                kwargs=dict(
+                    policy=spec.policy,
+                    refit=refit,
+                    generation=generation,
+                    with_reference=spec.with_reference,
+                    num_receivers=cluster.num_generators * spec.generation.tensor_parallel_size,
+                    total_steps=spec.total_steps,
+                ),
+                bundles=placement.trainer_bundles,
+                env_vars=env_vars,
                 env_mode=cluster.env_mode,
             )
+            generators = None
+            if spec.with_generators:
+                generators = WorkerGroup(
+                    GeneratorWorker,
+                    cluster.num_generators,
+                    kind="generator",
+                    kwargs=dict(generation=generation, model_path=str(spec.policy.model_path)),
+                    bundles=placement.generator_bundles,
+                    env_vars=env_vars,
+                    env_mode=cluster.env_mode,
+                )
+        except BaseException:
+            placement.remove()
+            raise
+        uses_gpus = any(slot.num_gpus > 0 for slot in placement.trainer_bundles)
+        runtime = cls(
+            trainers,
+            generators,
+            memory_phases=cluster.placement == "colocated" and uses_gpus,
+            discards_weights=spec.generation.sleep_level == 2,
+            with_reference=spec.with_reference,
+            on_close=placement.remove,
+        )
+        runtime.placement = placement
+        if runtime.memory_phases:  # pinned while the generators load and first generate
+            trainers.run("pin_offload_memory")
+        return runtime
 
     def __enter__(self) -> Runtime:
         return self
@@ -79,10 +174,8 @@ class Runtime:
         self.close()
 
     def close(self) -> None:
-        """Shut the engines down, kill every actor and free the placement group. A worker that
-        died (or whose shutdown fails) does not keep the other actors and the bundles held."""
-        from tandem.cluster.worker_group import WorkerError
-
+        """Shut the engines down, then the workers, then free the placement. A worker that
+        died (or whose shutdown fails) does not keep the others and the bundles held."""
         try:
             if self.generators is not None:
                 try:
@@ -92,13 +185,94 @@ class Runtime:
                     logger.warning("generator shutdown failed; killing the actors: %s", err)
                 self.generators.shutdown()
         finally:
-            self.trainers.shutdown()
-            self._placement.remove()
+            try:
+                self.trainers.shutdown()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
 
-    # -- generation -------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], params: Any) -> list[Any]:
-        """Prompts split into contiguous chunks, one per generator; rollouts in prompt order."""
+    # -- memory phases ------------------------------------------------------------------------
+    def _enter(
+        self,
+        policy: bool | None = None,
+        reference: bool | None = None,
+        generators: GeneratorPhase | None = None,
+    ) -> None:
+        """Make the phase true: ``True`` on the device, ``False`` on the host, ``None`` as is.
+        Releases run before acquisitions, so the two sides never hold their memory at once."""
+        if not self.memory_phases:
+            return
+        now = self._phase
+        if not self.with_reference:
+            reference = None
+        if self.generators is None:
+            generators = None
+        offload = {
+            "policy": policy is False and now.policy,
+            "reference": reference is False and now.reference,
+        }
+        onload = {
+            "policy": bool(policy) and not now.policy,
+            "reference": bool(reference) and not now.reference,
+        }
+        if any(offload.values()):
+            self._move_trainers({k: False for k, v in offload.items() if v})
+        if generators == "asleep" and now.generators != "asleep":
+            self._sleep_generators()
+        if any(onload.values()):
+            self._move_trainers({k: True for k, v in onload.items() if v})
+        now.policy = now.policy if policy is None else policy
+        now.reference = now.reference if reference is None else reference
+        if generators in ("weights", "awake"):
+            self._wake_generators(generators)
+
+    def _move_trainers(self, residency: dict[str, bool]) -> None:
+        stats = self.trainers.run("set_residency", **residency)[0]
+        for key, value in stats.items():
+            if key.endswith("_s"):
+                self._add_metric(f"timing/{key}", value)
+        if residency.get("policy") is False and "allocated_bytes" in stats:
+            self._metrics["memory/trainer_bytes_offloaded"] = stats["allocated_bytes"]
+
+    def _add_metric(self, key: str, value: float) -> None:
+        self._metrics[key] = self._metrics.get(key, 0.0) + value
+
+    def take_metrics(self) -> dict[str, float]:
+        """What the memory phases cost since the last call (seconds of offload, onload, sleep,
+        wake; the trainer's device bytes after its offload, its peak during refit)."""
+        metrics, self._metrics = self._metrics, {}
+        return metrics
+
+    def _sleep_generators(self) -> None:
         assert self.generators is not None
+        start = time.perf_counter()
+        self.generators.run("sleep")
+        self._add_metric("timing/generator_sleep_s", time.perf_counter() - start)
+        self._phase.generators = "asleep"
+        if self.discards_weights:
+            self._phase.weights_current = False
+
+    def _wake_generators(self, target: GeneratorPhase) -> None:
+        assert self.generators is not None
+        now = self._phase
+        start = time.perf_counter()
+        if now.generators == "asleep":
+            tags = ["weights"] if target == "weights" else None
+            self.generators.run("wake_up", tags)
+            now.generators = target
+        elif now.generators == "weights" and target == "awake":
+            self.generators.run("wake_up", ["kv_cache"])
+            now.generators = "awake"
+        self._add_metric("timing/generator_wake_s", time.perf_counter() - start)
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        """Prompts split into contiguous chunks, one per generator; rollouts in prompt order."""
+        if self.generators is None:
+            raise ValueError("this runtime was started without generators (with_generators)")
+        if not self._phase.weights_current:
+            self.refit()  # a deep sleep dropped the weights: never generate from garbage
+        self._enter(policy=False, reference=False, generators="awake")
         chunks = _split(list(range(len(prompt_token_ids))), self.generators.num_workers)
         results = self.generators.run_per_rank(
             "generate",
@@ -114,7 +288,7 @@ class Runtime:
                 rollouts.append(rollout)
         return rollouts
 
-    # -- training ---------------------------------------------------------------------------
+    # -- training -----------------------------------------------------------------------------
     def _shards(self, batch: TrainBatch) -> list[TrainBatch]:
         n = self.trainers.num_workers
         if batch.num_sequences < n:
@@ -123,44 +297,55 @@ class Runtime:
         return [batch.select(slice(int(b[0]), int(b[-1]) + 1)) for b in bounds]
 
     def policy_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        self._enter(policy=True, reference=False, generators="asleep")
         outs = self.trainers.run_per_rank("logprobs", [(s,) for s in self._shards(batch)])
         return torch.cat(outs)
 
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        if not self.with_reference:
+            raise ValueError("this runtime was started without a reference policy")
+        self._enter(reference=True, generators="asleep")
         outs = self.trainers.run_per_rank("reference_logprobs", [(s,) for s in self._shards(batch)])
         return torch.cat(outs)
 
-    def train(self, batch: TrainBatch, loss_fn: Any) -> dict[str, float]:
-        if self.colocated_gpu and self.generators is not None:
-            self.generators.run("sleep")
-            self.trainers.run("onload")
+    def train(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        self._enter(policy=True, reference=False, generators="asleep")
         results = self.trainers.run_per_rank("train", [(s, loss_fn) for s in self._shards(batch)])
-        return results[0]
+        return dict(results[0])
 
-    # -- refit ------------------------------------------------------------------------------
+    # -- refit --------------------------------------------------------------------------------
     def refit(self) -> dict[str, float]:
         """Trainer weights into every generator: metadata once, then buckets, concurrently."""
         if self.generators is None:
             return {}
-        if self.colocated_gpu:
-            self.generators.run("wake_up")
+        self._enter(policy=True, reference=False, generators="weights")
+        if self.memory_phases:  # the refit's own peak, apart from training's
+            self.trainers.run("memory_stats", reset_peak=True)
         spec = self.trainers.run("prepare_refit")[0]
         sending = self.trainers.run_async("send_weights")
         receiving = self.generators.run_async("receive_weights", spec)
         stats = self.trainers.get(sending)[0]
         self.generators.get(receiving)
-        if self.colocated_gpu:
-            self.trainers.run("offload")
-        return stats
+        self._phase.weights_current = True
+        if self.memory_phases:
+            memory = self.trainers.run("memory_stats")[0]
+            if memory:  # {} off CUDA
+                self._metrics["memory/trainer_peak_refit_bytes"] = memory["peak_bytes"]
+                self._metrics["memory/trainer_resident_bytes"] = memory["allocated_bytes"]
+        return dict(stats)
 
-    # -- checkpoints ------------------------------------------------------------------------
+    # -- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> None:
+        self._enter(policy=True, generators="asleep")
         self.trainers.run("save_checkpoint", path)
 
     def load_checkpoint(self, path: str) -> None:
+        self._enter(policy=True, generators="asleep")
         self.trainers.run("load_checkpoint", path)
+        self._phase.weights_current = self.generators is None
 
     def export_hf(self, path: str) -> None:
+        self._enter(policy=True, generators="asleep")
         self.trainers.run("export_hf", path)
 
 
@@ -168,7 +353,7 @@ def _split(items: list[int], parts: int) -> list[list[int]]:
     return [list(map(int, c)) for c in torch.tensor_split(torch.tensor(items), parts) if len(c)]
 
 
-def _offset_seed(params: Any, first_prompt: int) -> Any:
+def _offset_seed(params: SamplingParams, first_prompt: int) -> SamplingParams:
     """Seeds of a chunk starting at prompt ``first_prompt``, so that sample ``j`` of prompt ``i``
     draws the same stream whatever the number of generators (``seed + i * n + j`` globally)."""
     if params.seed is None:

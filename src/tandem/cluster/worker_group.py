@@ -15,7 +15,7 @@ env_mode=None, num_cpus=1.0)``
   ``.run_rank0(method, ...)``, ``.run_async(method, ...) -> Futures`` + ``.get(futures) -> list``,
   ``.run_per_rank(method, args_list, kwargs_list=None) -> list``, ``.shutdown()``,
   ``.num_workers``, ``.kind``, ``.actors``.
-``WorkerError``: an actor died or a method raised; names kind, rank and method.
+``WorkerError`` (from ``groups``): an actor died or a method raised; names kind, rank and method.
 """
 
 from __future__ import annotations
@@ -33,18 +33,11 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from tandem.cluster.envs import build_on_all_nodes, runtime_env_for
 from tandem.cluster.envs import env_mode as resolve_env_mode
+from tandem.cluster.groups import WorkerError
 from tandem.cluster.placement import ActorSlot
 from tandem.cluster.ray_cluster import LOOPBACK, alive_nodes, node_ip
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-class WorkerError(RuntimeError):
-    """A worker actor died, or one of its methods raised."""
-
-    def __init__(self, kind: str, rank: int, method: str, message: str):
-        self.kind, self.rank, self.method = kind, rank, method
-        super().__init__(f"{kind} worker rank {rank} failed in {method}(): {message}")
 
 
 class _WorkerHost:

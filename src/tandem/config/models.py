@@ -32,6 +32,10 @@ class ClusterConfig(Section):
     """Logical CPUs Ray reserves per actor (fractions let small machines host several actors)."""
     gpus_per_actor: float = Field(1.0, ge=0)
     """GPUs per actor when CUDA is present (ignored on CPU machines)."""
+    threads_per_actor: int | None = Field(None, ge=1)
+    """CPU threads each actor computes with (torch's and vLLM-cpu's OpenMP pool). None: the
+    node's cores shared by the actors that compute at once (colocated actors take turns, so
+    each one of a bundle gets all of that bundle's share; split actors divide the cores)."""
     env_mode: Literal["isolated", "shared"] = "isolated"
     """isolated: every actor kind in its own uv environment; shared: all in the driver's
     interpreter (containers that already hold everything). TANDEM_ENV_MODE overrides."""
@@ -106,14 +110,29 @@ class GenerationConfig(Section):
     """KV-cache size handed to vLLM explicitly (its default memory fraction misreads CPU NUMA)."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """vLLM's GPU memory fraction (GPU only)."""
+    sleep_level: Literal[1, 2] = 2
+    """Colocated GPUs: how a generator sleeps while the trainer works. 2 drops its weights (the
+    runtime refits before it generates again: no copy to and from the host); 1 keeps them in
+    host memory. Both free the KV cache."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (required on CPU, faster start for tiny models)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The generator's weights and compute dtype. auto: the trainer's compute dtype (bfloat16
+    with policy.mixed_precision or policy.dtype bfloat16, else float32), so generator and
+    trainer logprobs agree by construction; the refit casts the trainer's weights to it."""
     precision: Literal["bf16", "fp8"] = "bf16"
     """Generator weight precision; fp8 quantises block-wise (128x128, e4m3) during refit."""
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     """vLLM KV-cache dtype; fp8 uses scales calibrated by the trainer."""
     kv_scale_recalibrate_every: int = Field(1, ge=1)
     """Recalibrate FP8 KV-cache scales every K steps (when kv_cache_dtype is fp8)."""
+
+
+def generator_dtype(policy: PolicyConfig, generation: GenerationConfig) -> str:
+    """``generation.dtype`` with auto resolved to the trainer's compute dtype."""
+    if generation.dtype != "auto":
+        return generation.dtype
+    return "bfloat16" if policy.mixed_precision or policy.dtype == "bfloat16" else "float32"
 
 
 class RefitConfig(Section):

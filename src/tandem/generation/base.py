@@ -112,8 +112,9 @@ class Generator(abc.ABC):
     def sleep(self) -> None:  # noqa: B027 - optional capability, default no-op
         """Release weights and KV cache memory (colocated mode). No-op where unsupported."""
 
-    def wake_up(self) -> None:  # noqa: B027
-        """Undo ``sleep``. No-op where unsupported."""
+    def wake_up(self, tags: list[str] | None = None) -> None:  # noqa: B027
+        """Undo ``sleep`` for ``tags`` (``"weights"``, ``"kv_cache"``; None: all), so a refit
+        can land before the KV cache takes its memory. No-op where unsupported."""
 
     @property
     def supports_sleep(self) -> bool:

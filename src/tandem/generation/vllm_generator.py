@@ -85,7 +85,7 @@ class VllmGenerator(Generator):
             kwargs["max_model_len"] = max_model_len
         self.llm = LLM(**kwargs)
         self._in_process = config.tensor_parallel_size == 1
-        self._asleep = False
+        self._sleeping: set[str] = set()
 
     @property
     def supports_sleep(self) -> bool:
@@ -158,15 +158,20 @@ class VllmGenerator(Generator):
             raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
 
     def sleep(self) -> None:
-        """Free weights and KV cache (level 1) on GPU; a no-op on CPU, which lacks sleep mode."""
-        if self.supports_sleep and not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
+        """Free the GPU memory of weights and KV cache (``generation.sleep_level``: 1 keeps the
+        weights in host memory, 2 drops them, for a refit to refill); a no-op on CPU, which
+        lacks sleep mode. The prefix cache is cleared with the KV cache."""
+        if self.supports_sleep and not self._sleeping:
+            self.llm.sleep(level=self.config.sleep_level)
+            self._sleeping = {"weights", "kv_cache"}
 
-    def wake_up(self) -> None:
-        if self.supports_sleep and self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate ``tags`` (None: all). Waking ``["weights"]`` first lets a refit land
+        before the KV cache takes its memory; vLLM resumes scheduling once all are awake."""
+        wake = self._sleeping if tags is None else self._sleeping & set(tags)
+        if wake:
+            self.llm.wake_up(tags=sorted(wake))
+            self._sleeping -= wake
 
     def shutdown(self) -> None:
         engine = getattr(self.llm, "llm_engine", None)

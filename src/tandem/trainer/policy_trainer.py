@@ -19,7 +19,7 @@ from tandem.checkpoint import hf_export, sharded
 from tandem.config.models import PolicyConfig
 from tandem.data.batch import TrainBatch
 from tandem.trainer.logprobs import LogprobModel
-from tandem.trainer.offload import move_state
+from tandem.trainer.offload import HostPool, move_state, offload_bytes
 from tandem.trainer.parallelize import (
     apply_activation_checkpointing,
     apply_fsdp,
@@ -100,6 +100,18 @@ class PolicyTrainer:
                 list(self.model.parameters()), config.optimizer, total_steps
             )
         self.step = 0
+        self.resident = True
+        """Whether the state is on the device (``offload``/``onload`` toggle it)."""
+        self._host_pool: HostPool | None = None
+
+    def _require_resident(self, what: str) -> None:
+        # On a GPU an offloaded trainer would compute on host parameters with device inputs (or
+        # silently on the host); on the CPU nothing moves, so the flag is what catches it.
+        if not self.resident:
+            raise RuntimeError(
+                f"PolicyTrainer.{what}() called while offloaded: call onload() first (the "
+                "runtime's memory phases do this before every trainer call)"
+            )
 
     # -- collectives over the trainer ranks ---------------------------------------------------
     def _all_reduce(self, values: torch.Tensor, op: Any = None) -> torch.Tensor:
@@ -141,6 +153,7 @@ class PolicyTrainer:
     def logprobs(self, batch: TrainBatch, with_entropy: bool = False) -> Any:
         """Token logprobs ``[B, T]`` float32 on the host (entry t = log p(token t | < t),
         entry 0 and padding 0); with ``with_entropy`` the pair (logprobs, entropy)."""
+        self._require_resident("logprobs")
         self.model.eval()
         outs, ents = [], []
         for mb, real in self._micro_batches(batch):
@@ -174,6 +187,7 @@ class PolicyTrainer:
         """
         if self.optimizer is None or self.scheduler is None:
             raise ValueError("this PolicyTrainer was built with trainable=False")
+        self._require_resident("train")
         self.model.train()
         mask = batch.loss_mask
         counts = torch.tensor([mask.sum().item(), (mask.sum(-1) > 0).sum().item()])
@@ -237,6 +251,7 @@ class PolicyTrainer:
         yields. Tied LM heads are left out (loaders re-tie them to the embedding). On one rank
         (with or without FSDP) the tensors on the device are the live parameters (no copy):
         copy them to keep them past a step."""
+        self._require_resident("iter_weights")
         for name, tensor in hf_state(self.lm):
             full = full_tensor(tensor, self.device)
             if self.rank == 0:
@@ -247,6 +262,7 @@ class PolicyTrainer:
     def save_checkpoint(self, path: Path | str, extra: dict[str, Any] | None = None) -> None:
         """Sharded model + optimizer + scheduler state (and ``extra``, a JSON-able dict of the
         caller's state) into ``path``, atomically. A collective under FSDP2."""
+        self._require_resident("save_checkpoint")
         sharded.save(self, Path(path), extra or {})
 
     def load_checkpoint(self, path: Path | str) -> dict[str, Any]:
@@ -258,14 +274,24 @@ class PolicyTrainer:
         hf_export.export_hf(self, Path(path), dtype)
 
     # -- memory phases --------------------------------------------------------------------------
+    def pin_offload_memory(self) -> None:
+        """Start pinning the host memory offloads will use, in the background (``HostPool``),
+        so the first offload runs at pinned bandwidth. A no-op without CUDA or when called
+        again."""
+        if self._host_pool is None and self.device.type == "cuda" and not self.config.cpu_offload:
+            self._host_pool = HostPool()
+            self._host_pool.start(offload_bytes(self.model, self.optimizer))
+
     def offload(self) -> None:
         """Parameters, gradients, buffers and optimizer state to (pinned) host memory; the same
         tensor objects stay referenced everywhere. With ``cpu_offload`` only buffers move (the
         sharded parameters and the optimizer state live on the host already)."""
         host = torch.device("cpu")
-        move_state(self.model, self.optimizer, host, include_parameters=not self.config.cpu_offload)
+        include = not self.config.cpu_offload
+        move_state(self.model, self.optimizer, host, include, self._host_pool)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        self.resident = False
 
     def onload(self) -> None:
         """Back to the device, the inverse of ``offload``."""
@@ -275,3 +301,4 @@ class PolicyTrainer:
             self.device,
             include_parameters=not self.config.cpu_offload,
         )
+        self.resident = True

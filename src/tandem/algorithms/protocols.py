@@ -1,0 +1,64 @@
+"""The seams between the algorithms and the workers, as types.
+
+``RolloutRuntime`` is what a step function (``grpo_step``, ``evaluate``, ``sft_step``) may call;
+``tandem.cluster.runtime.Runtime`` satisfies it structurally, over Ray actors or plain workers in
+one process. ``LossFn`` is the contract of every loss the trainer minimises (``losses.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.data.batch import TrainBatch
+    from tandem.generation.base import Rollout, SamplingParams
+
+Count = int | float
+
+Metrics = dict[str, "torch.Tensor"]
+
+
+class LossFn(Protocol):
+    """``loss, metrics = loss_fn(logprobs, micro_batch, num_global_tokens, num_global_sequences)``
+
+    ``logprobs`` ``[b, T]`` carries the gradient; the counts are over the whole batch (every
+    micro-batch and data-parallel rank), and the loss is already divided by them, so losses and
+    metrics summed over micro-batches and ranks give the full-batch values. ``entropy`` (with
+    grad) is passed when the trainer computes it."""
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        micro_batch: TrainBatch,
+        num_global_tokens: Count,
+        num_global_sequences: Count,
+        entropy: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, Metrics]: ...
+
+
+class RolloutRuntime(Protocol):
+    """The workers of a run as the algorithm sees them. Each call makes the memory phase it
+    needs true itself (who is resident on the device, which engines are awake), so calls may
+    come in any order: the algorithm never offloads, sleeps or wakes anything."""
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        """``params.n`` rollouts per prompt, in prompt order."""
+        ...
+
+    def policy_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Token logprobs ``[B, T]`` of the current policy (no gradient)."""
+        ...
+
+    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Token logprobs ``[B, T]`` of the frozen reference policy."""
+        ...
+
+    def train(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on ``batch``; the loss's metrics summed over ranks."""
+        ...
+
+    def refit(self) -> dict[str, float]:
+        """The trainer's weights into every generator; the transfer's figures."""
+        ...

@@ -1,0 +1,103 @@
+"""What the runtime needs of a group of workers, and a group of plain workers in this process.
+
+``WorkerGroup`` (``worker_group.py``) runs each worker in a Ray actor; ``LocalGroup`` holds plain
+worker objects and calls them in threads, so a whole ``Runtime`` (memory phases, refit through
+the real transports) runs in one process for tests and tools. No ray import here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class WorkerError(RuntimeError):
+    """A worker actor died, or one of its methods raised."""
+
+    def __init__(self, kind: str, rank: int, method: str, message: str):
+        self.kind, self.rank, self.method = kind, rank, method
+        super().__init__(f"{kind} worker rank {rank} failed in {method}(): {message}")
+
+
+class Group(Protocol):
+    """N workers of one kind; ``run*`` call a method on every rank (``per_rank``: with its own
+    arguments) and return the results in rank order; ``run_async`` + ``get`` let two groups
+    work at once (a refit's sender and receivers)."""
+
+    kind: str
+    num_workers: int
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
+
+    def run_async(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+
+    def get(self, futures: Any) -> list[Any]: ...
+
+    def run_per_rank(
+        self,
+        method: str,
+        args_list: Sequence[Sequence[Any]],
+        kwargs_list: Sequence[dict[str, Any]] | None = None,
+    ) -> list[Any]: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class LocalFutures:
+    method: str
+    futures: list[Future[Any]]
+
+
+class LocalGroup:
+    """Plain worker objects (``TrainerWorker``, ``GeneratorWorker``...) as a ``Group``.
+
+    Every call runs in a worker thread, so ``run_async`` on two groups overlaps them as Ray
+    actors would; an exception is raised as a ``WorkerError`` naming kind, rank and method."""
+
+    def __init__(self, workers: Sequence[Any], kind: str):
+        if not workers:
+            raise ValueError(f"a {kind} group needs at least one worker")
+        self.workers = list(workers)
+        self.kind, self.num_workers = kind, len(self.workers)
+        self._pool = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix=kind)
+
+    def _submit(self, method: str, calls: Sequence[tuple[Sequence[Any], dict[str, Any]]]) -> Any:
+        futures = [
+            self._pool.submit(getattr(worker, method), *args, **kwargs)
+            for worker, (args, kwargs) in zip(self.workers, calls, strict=False)
+        ]
+        return LocalFutures(method, futures)
+
+    def run_async(self, method: str, *args: Any, **kwargs: Any) -> LocalFutures:
+        return self._submit(method, [(args, kwargs)] * self.num_workers)
+
+    def get(self, futures: LocalFutures) -> list[Any]:
+        results = []
+        for rank, future in enumerate(futures.futures):
+            try:
+                results.append(future.result())
+            except Exception as err:
+                raise WorkerError(
+                    self.kind, rank, futures.method, f"{type(err).__name__}: {err}"
+                ) from err
+        return results
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self.get(self.run_async(method, *args, **kwargs))
+
+    def run_per_rank(
+        self,
+        method: str,
+        args_list: Sequence[Sequence[Any]],
+        kwargs_list: Sequence[dict[str, Any]] | None = None,
+    ) -> list[Any]:
+        if len(args_list) > self.num_workers:
+            raise ValueError(f"{len(args_list)} argument sets for {self.num_workers} workers")
+        kwargs_list = kwargs_list or [{}] * len(args_list)
+        return self.get(self._submit(method, list(zip(args_list, kwargs_list, strict=True))))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
