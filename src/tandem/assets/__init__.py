@@ -1,7 +1,57 @@
-"""Assets shipped inside the package: the embedded tiny model and its tokenizer."""
+"""Assets shipped inside the package: the embedded tiny model and its tokenizer, and random
+models of any Qwen2 shape that share that tokenizer (benchmarks, GPU tests, smoke runs)."""
 
+from __future__ import annotations
+
+import shutil
 from pathlib import Path
+from typing import Any
 
 ASSETS_DIR = Path(__file__).parent
 DEFAULT_MODEL_DIR = ASSETS_DIR / "tiny-qwen2"
 """The embedded default model (Hugging Face folder, warm-started on the arithmetic task)."""
+
+QWEN2_SHAPES: dict[str, dict[str, int]] = {
+    "0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+    ),
+}
+"""Qwen2.5-0.5B's and -1.5B's layer shapes (their vocabulary is not the embedded tokenizer's)."""
+
+
+def write_random_qwen2(
+    path: Path, shape: dict[str, Any], device: str = "cpu", seed: int = 0
+) -> Path:
+    """A Hugging Face folder at ``path`` (kept if it exists) holding a randomly initialised fp32
+    Qwen2 of ``shape`` with the embedded model's tokenizer (vocabulary 257, tied embeddings
+    unless ``shape`` says otherwise): a model of a real size that every backend can load,
+    generate from and decode."""
+    import torch
+    import transformers
+
+    if (path / "config.json").exists():
+        return path
+    config = transformers.Qwen2Config(
+        **{"vocab_size": 257, "tie_word_embeddings": True, "max_position_embeddings": 4096}
+        | dict(shape)
+    )
+    config.bos_token_id = config.eos_token_id = config.pad_token_id = 256
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.Qwen2ForCausalLM(config)
+    model.save_pretrained(path)
+    for item in DEFAULT_MODEL_DIR.iterdir():
+        if item.name.startswith(("tokenizer", "special_tokens", "generation")):
+            shutil.copy2(item, path / item.name)
+    return path

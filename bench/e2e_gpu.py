@@ -1,0 +1,201 @@
+"""GRPO end to end on the GPU through the real runtime: Ray actors, colocated placement, the
+memory phases (offload/onload, generator sleep/wake), CUDA IPC refit, HF generation.
+
+For each model shape, ``tandem grpo`` runs a few steps on the embedded arithmetic prompts with a
+dense reward (``e2e_rewards:digit_fraction``); one JSON line per step gives the breakdown
+(generate, train, refit, offload, onload), the trainer's device memory (after its offload, at
+rest, its peak during refit) and the generator/trainer logprob mismatch, and one line per shape
+the medians of the steps after the first, beside the pinned-copy ceilings of the same run.
+Models are random Qwen2s of the 0.5B / 1.5B shapes with the embedded tokenizer (vocabulary 257,
+so the LM head is small), fp32 master weights.
+
+With ``--trl`` it runs tandem and TRL's ``GRPOTrainer`` (``trl_peer.py``, transformers
+generation on both sides) on the same work, alternately, ``--rounds`` times each, and prints the
+median step of each run and the ratio tandem / TRL (TRL's ``--bf16`` matches
+``--mixed-precision``: fp32 masters, bf16 compute).
+
+    PYTHONPATH=.gpu/site:src:bench python bench/e2e_gpu.py [--shapes 0.5b 1.5b] [--steps 6]
+        [--mixed-precision] [--kl-coef 0.0] [--trl --rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from ceilings import emit, measure_ceilings
+
+from tandem.assets import QWEN2_SHAPES, write_random_qwen2
+
+PER_STEP = (
+    "timing/step_s",
+    "timing/generate_s",
+    "timing/logprobs_s",
+    "timing/train_s",
+    "timing/refit_s",
+    "timing/policy_offload_s",
+    "timing/policy_onload_s",
+    "timing/generator_sleep_s",
+    "timing/generator_wake_s",
+    "memory/trainer_bytes_offloaded",
+    "memory/trainer_resident_bytes",
+    "memory/trainer_peak_refit_bytes",
+    "gen/logprob_mismatch",
+    "train/reward_mean",
+)
+
+
+def run_tandem(path: Path, args: argparse.Namespace, run_dir: Path) -> list[dict[str, Any]]:
+    from tandem.config import GrpoConfig, load_config
+    from tandem.driver import run_grpo
+
+    overrides = [
+        "cluster.env_mode=shared",
+        "generation.backend=hf",
+        f"policy.model_path={path}",
+        f"policy.mixed_precision={str(args.mixed_precision).lower()}",
+        f"policy.micro_batch_size={args.micro_batch_size}",
+        "policy.optimizer.lr=1e-5",
+        f"algorithm.num_steps={args.steps}",
+        f"algorithm.prompts_per_step={args.prompts}",
+        f"algorithm.num_generations={args.generations}",
+        f"algorithm.kl_coef={args.kl_coef}",
+        "algorithm.eval_every=0",
+        f"generation.sampling.max_tokens={args.max_tokens}",
+        "data.reward=e2e_rewards:digit_fraction",
+        "checkpoint.enabled=false",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        f"logging.run_dir={run_dir}",
+        f"logging.name={path.name}",
+    ]
+    return run_grpo(load_config(GrpoConfig, "grpo_arithmetic", overrides))
+
+
+def median_step(values: list[float]) -> float:
+    """The median of the steps after the first (which carries warm-up)."""
+    return statistics.median(values[1:] or values)
+
+
+def run_trl(path: Path, args: argparse.Namespace, root: Path, label: str) -> float:
+    """TRL's median step on the same work, in its own process."""
+    from tandem.config import DataConfig
+    from tandem.data.prompts import make_prompt_source
+
+    prompts = root / "prompts.jsonl"
+    source = make_prompt_source(DataConfig(), path, lambda *_: 0.0, seed=0)
+    rows = source.train_prompts(0, args.prompts * args.steps)
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    command = [
+        sys.executable,
+        str(Path(__file__).with_name("trl_peer.py")),
+        f"--model={path}",
+        f"--prompts={prompts}",
+        "--reward=digit_fraction",
+        f"--steps={args.steps}",
+        f"--prompts-per-step={args.prompts}",
+        f"--generations={args.generations}",
+        f"--max-tokens={args.max_tokens}",
+        "--lr=1e-5",
+        f"--label={label}",
+        *(["--bf16"] if args.mixed_precision else []),
+    ]
+    out = subprocess.run(command, capture_output=True, text=True, check=False)
+    steps = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not steps:
+        raise RuntimeError(f"TRL run failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return median_step([r["value"] for r in steps])
+
+
+def side_by_side(shape: str, path: Path, args: argparse.Namespace, root: Path) -> None:
+    """tandem, TRL, tandem, TRL...: the median step of each run, then the ratio of medians."""
+    times: dict[str, list[float]] = {"tandem": [], "trl": []}
+    for round_index in range(args.rounds):
+        records = run_tandem(path, args, root / f"runs-{round_index}")
+        times["tandem"].append(median_step([r["timing/step_s"] for r in records if r["step"]]))
+        times["trl"].append(run_trl(path, args, root, f"{shape}-{round_index}"))
+        emit(
+            {
+                "figure": "e2e_gpu_round",
+                "shape": shape,
+                "round": round_index,
+                **{k: round(v[-1], 3) for k, v in times.items()},
+            }
+        )
+    tandem, trl = statistics.median(times["tandem"]), statistics.median(times["trl"])
+    emit(
+        {
+            "figure": "e2e_gpu_vs_trl",
+            "shape": shape,
+            "mixed_precision": args.mixed_precision,
+            "tandem_step_s": round(tandem, 3),
+            "trl_step_s": round(trl, 3),
+            "ratio": round(tandem / trl, 3),
+            "tandem_runs": [round(v, 3) for v in times["tandem"]],
+            "trl_runs": [round(v, 3) for v in times["trl"]],
+            "work": f"{args.prompts}x{args.generations}x<={args.max_tokens} tokens",
+        }
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b"], choices=QWEN2_SHAPES)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--micro-batch-size", type=int, default=32)
+    parser.add_argument("--mixed-precision", action="store_true")
+    parser.add_argument("--kl-coef", type=float, default=0.0)
+    parser.add_argument("--trl", action="store_true", help="side by side with TRL")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    root = Path(tempfile.gettempdir()) / "tandem-e2e"
+    paths = {
+        shape: write_random_qwen2(root / f"qwen2-{shape}", QWEN2_SHAPES[shape], device="cuda")
+        for shape in args.shapes
+    }
+    ceilings = {k: round(v, 2) for k, v in measure_ceilings().items()}
+    torch.cuda.empty_cache()
+    setup = {"mixed_precision": args.mixed_precision, "kl_coef": args.kl_coef}
+    if args.trl:
+        for shape, path in paths.items():
+            side_by_side(shape, path, args, root)
+        return
+    for shape, path in paths.items():
+        records = run_tandem(path, args, root / "runs")
+        steps = [r for r in records if r["step"] >= 1]
+        for record in steps:
+            emit(
+                {
+                    "figure": "e2e_gpu_step",
+                    "shape": shape,
+                    **setup,
+                    "step": record["step"],
+                    **{k: record.get(k) for k in PER_STEP},
+                }
+            )
+        later = steps[1:] or steps
+        emit(
+            {
+                "figure": "e2e_gpu_median",
+                "shape": shape,
+                **setup,
+                "steps": len(later),
+                **{k: statistics.median(r.get(k, 0.0) for r in later) for k in PER_STEP},
+                "mismatch_max": max(r["gen/logprob_mismatch"] for r in steps),
+                **ceilings,
+            }
+        )
+
+
+if __name__ == "__main__":
+    main()

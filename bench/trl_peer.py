@@ -1,0 +1,101 @@
+"""The peer side of the end-to-end benchmarks: TRL's ``GRPOTrainer`` on the same work as a
+tandem run (same model folder, prompts, reward, group size, completion length, learning rate;
+transformers generation), one JSON line per optimizer step with its wall time.
+
+Run by ``e2e_cpu.py`` (in a scratch venv it builds: TRL is not a tandem dependency) and
+``e2e_gpu.py`` (TRL carried as wheels), each in its own process:
+
+    python bench/trl_peer.py --model DIR --prompts prompts.jsonl --reward exact_match
+        --steps 8 --prompts-per-step 8 --generations 8 --max-tokens 8 [--bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
+
+
+def reward_function(name: str) -> Any:
+    """A TRL reward function (completions + dataset columns -> scores) around a tandem one."""
+    if name == "exact_match":
+        from tandem.rewards.exact_match import exact_match as score
+    else:
+        from e2e_rewards import digit_fraction as score
+
+    def reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list:
+        return [score(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
+
+    reward.__name__ = name
+    return reward
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", required=True, help="JSONL of {prompt, answer} rows")
+    parser.add_argument("--reward", choices=["exact_match", "digit_fraction"], required=True)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--prompts-per-step", type=int, default=8)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--bf16", action="store_true", help="mixed precision (GPU)")
+    parser.add_argument("--label", default="trl")
+    args = parser.parse_args()
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line]
+    completions = args.prompts_per_step * args.generations
+    config = GRPOConfig(
+        output_dir=str(Path(args.prompts).parent / f"trl-{args.label}"),
+        per_device_train_batch_size=completions,
+        gradient_accumulation_steps=1,
+        num_generations=args.generations,
+        max_completion_length=args.max_tokens,
+        learning_rate=args.lr,
+        max_steps=args.steps,
+        temperature=1.0,
+        beta=0.0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=args.bf16,
+        use_cpu=not torch.cuda.is_available(),
+        seed=0,
+        disable_dropout=True,
+    )
+    stamps: list[float] = []
+
+    class StepClock(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            stamps.append(time.perf_counter())
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    trainer = GRPOTrainer(
+        model=args.model,
+        reward_funcs=[reward_function(args.reward)],
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
+    )
+    start = time.perf_counter()
+    trainer.train()
+    for step, (before, after) in enumerate(zip([start, *stamps], stamps, strict=False), 1):
+        record = {"figure": "trl_step_s", "label": args.label, "step": step}
+        print(json.dumps({**record, "value": round(after - before, 4)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
