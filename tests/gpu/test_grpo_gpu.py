@@ -27,7 +27,7 @@ pytestmark = [
 ]
 
 BUCKET_BYTES = 64 * 2**20
-STEPS = 4
+STEPS = 3
 
 
 def digit_fraction(prompt: str, response: str, answer: str) -> float:
@@ -56,10 +56,10 @@ def run(model: Path, run_dir: Path, name: str, *overrides: str, resume: bool = F
             "policy.optimizer.lr=1e-5",
             f"refit.bucket_bytes={BUCKET_BYTES}",
             f"algorithm.num_steps={STEPS}",
-            "algorithm.prompts_per_step=16",
+            "algorithm.prompts_per_step=8",
             "algorithm.num_generations=8",
             "algorithm.eval_every=0",
-            "generation.sampling.max_tokens=64",
+            "generation.sampling.max_tokens=32",
             "data.reward=test_grpo_gpu:digit_fraction",
             "logging.progress=false",
             "logging.tensorboard=false",
@@ -101,15 +101,14 @@ def test_mixed_precision_with_activation_checkpointing_and_resume(
     model_dir: Path, tmp_path: Path
 ) -> None:
     setup = ["policy.mixed_precision=true", "policy.activation_checkpointing=true"]
-    straight = run(model_dir, tmp_path, "mp", *setup)
-    check_steps(straight, bound=1e-2)
-    # a run stopped after 2 steps and resumed to 4: it continues at step 3 from the checkpoint
-    run(model_dir, tmp_path, "mp-resumed", *setup, "algorithm.num_steps=2")
-    resumed = run(model_dir, tmp_path, "mp-resumed", *setup, resume=True)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    # 2 steps and a checkpoint, then --resume to the third: it continues from the checkpoint
+    first = run(model_dir, tmp_path, "mp", *setup, "algorithm.num_steps=2")
+    check_steps(first, bound=1e-2)
+    resumed = run(model_dir, tmp_path, "mp", *setup, resume=True)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert resumed[:2] == first
     check_steps(resumed[2:], bound=1e-2)
-    config = json.loads((tmp_path / "mp-resumed" / "config.json").read_text())
+    config = json.loads((tmp_path / "mp" / "config.json").read_text())
     assert config["algorithm"]["num_steps"] == STEPS
-    # the same data and sampling seeds: the resumed steps score like the straight run's
-    for a, b in zip(straight[2:], resumed[2:], strict=True):
-        assert b["train/reward_mean"] == pytest.approx(a["train/reward_mean"], abs=0.05)
+    # the generator got the checkpoint's weights: step 3 samples where step 2 left off
+    assert resumed[2]["gen/logprob_mismatch"] <= 2 * first[-1]["gen/logprob_mismatch"]

@@ -77,6 +77,13 @@ class PolicyConfig(Section):
     """FSDP2 CPUOffloadPolicy: keep sharded parameters and optimizer state on the host."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; gradients accumulate over the micro-batches of a step."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Token budget of a micro-batch: sequences are sorted by length and grouped so that its
+    padded size (packed: its tokens) stays within it, at most micro_batch_size of them. None:
+    groups of micro_batch_size in order. Every micro-batch is trimmed to its longest sequence."""
+    packing: bool = False
+    """Lay a micro-batch's sequences end to end (positions restart, block-diagonal attention),
+    so no compute goes to padding; gives the padded path's loss and gradients."""
     logprob_chunk_size: int = Field(1024, ge=1)
     """Tokens per chunk when computing logprobs, so full-vocabulary fp32 logits are never
     materialised for the whole batch."""

@@ -50,6 +50,14 @@ class TrainBatch:
         }
         return TrainBatch(**values)
 
+    def columns(self, index: slice) -> TrainBatch:
+        """Columns ``index`` of every tensor (all of them are ``[B, T]``)."""
+        values: dict[str, Any] = {
+            f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[:, index])
+            for f in fields(self)
+        }
+        return TrainBatch(**values)
+
     def to(self, device: torch.device | str) -> TrainBatch:
         values: dict[str, Any] = {
             f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))

@@ -40,11 +40,20 @@ class LogprobModel(nn.Module):
         self.chunk_size = chunk_size
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool = False
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        with_entropy: bool = False,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attention_mask`` None with ``position_ids`` that restart: packed sequences
+        (``tandem.data.packing``); entries across a boundary are computed and left to the
+        caller to drop."""
         lm: Any = self.lm  # a Hugging Face PreTrainedModel
         body = lm.get_decoder()
-        hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = body(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
         head_weight = lm.get_output_embeddings().weight
         flat_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         flat_targets = input_ids[:, 1:].reshape(-1)
@@ -64,5 +73,7 @@ class LogprobModel(nn.Module):
         zeros = torch.zeros(input_ids.shape[0], 1, device=hidden.device)
         logprobs = torch.cat([zeros, torch.cat(picked).view(shape)], dim=1)
         entropies = torch.cat([zeros, torch.cat(entropy).view(shape)], dim=1)
+        if attention_mask is None:
+            return logprobs, entropies
         mask = attention_mask.to(logprobs.dtype)
         return logprobs * mask, entropies * mask

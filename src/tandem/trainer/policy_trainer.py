@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tandem.checkpoint import hf_export, sharded
 from tandem.config.models import PolicyConfig
 from tandem.data.batch import TrainBatch
+from tandem.data.packing import MicroBatch, plan_micro_batches, trimmed, unpack
 from tandem.trainer.logprobs import LogprobModel
 from tandem.trainer.offload import HostPool, move_state, offload_bytes
 from tandem.trainer.parallelize import (
@@ -123,12 +124,16 @@ class PolicyTrainer:
     def _max(self, values: torch.Tensor) -> list[int]:
         return [int(v) for v in self._all_reduce(values, dist.ReduceOp.MAX).tolist()]
 
-    def _micro_batches(self, batch: TrainBatch) -> list[tuple[TrainBatch, bool]]:
-        """This rank's micro-batches, padded with no-loss fillers to the largest count of any
-        rank: under FSDP2 every forward/backward is a collective, so all ranks run as many."""
-        size = self.config.micro_batch_size
+    def _micro_batches(self, batch: TrainBatch) -> list[tuple[MicroBatch, bool]]:
+        """This rank's micro-batches (``data.packing``: trimmed, by token budget, packed as
+        configured), padded with no-loss fillers to the largest count of any rank: under FSDP2
+        every forward/backward is a collective, so all ranks run as many."""
+        config = self.config
         local = [
-            (batch.select(slice(s, s + size)), True) for s in range(0, batch.num_sequences, size)
+            (mb, True)
+            for mb in plan_micro_batches(
+                batch, config.micro_batch_size, config.max_tokens_per_micro_batch, config.packing
+            )
         ]
         # one collective for both: the most micro-batches and (negated) the fewest sequences
         most, negated_fewest = self._max(torch.tensor([len(local), -batch.num_sequences]))
@@ -137,16 +142,27 @@ class PolicyTrainer:
                 "a trainer rank got an empty batch: give every rank at least one sequence "
                 "(batch size >= number of trainers)"
             )
-        filler = batch.select(slice(0, 1))
+        filler = trimmed(batch.select(slice(0, 1)))
         filler.loss_mask = torch.zeros_like(filler.loss_mask)
-        return local + [(filler, False)] * (most - len(local))
+        filler_mb = MicroBatch(torch.tensor([0]), filler)
+        return local + [(filler_mb, False)] * (most - len(local))
 
-    def _forward(self, mb: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model(
-            mb.input_ids.to(self.device),
-            mb.attention_mask.to(self.device),
+    def _forward(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token logprobs and entropies ``[b, T]`` of the micro-batch's (trimmed) layout."""
+        if mb.packed is None:
+            return self.model(
+                mb.batch.input_ids.to(self.device),
+                mb.batch.attention_mask.to(self.device),
+                with_entropy=with_entropy,
+            )
+        packed = mb.packed
+        logprobs, entropy = self.model(
+            packed.input_ids.to(self.device),
+            None,
             with_entropy=with_entropy,
+            position_ids=packed.position_ids.to(self.device),
         )
+        return unpack(logprobs, packed), unpack(entropy, packed)
 
     # -- logprobs -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -155,17 +171,17 @@ class PolicyTrainer:
         entry 0 and padding 0); with ``with_entropy`` the pair (logprobs, entropy)."""
         self._require_resident("logprobs")
         self.model.eval()
-        outs, ents = [], []
+        shape = tuple(batch.input_ids.shape)
+        out, ent = torch.zeros(shape), torch.zeros(shape)
         for mb, real in self._micro_batches(batch):
             logprobs, entropy = self._forward(mb, with_entropy)
             if real:
-                outs.append(logprobs.float().cpu())
-                ents.append(entropy.float().cpu())
+                width = logprobs.shape[1]
+                out[mb.rows, :width] = logprobs.float().cpu()
+                ent[mb.rows, :width] = entropy.float().cpu()
         if self.uses_fsdp:
             reshard(self.model)
-        if with_entropy:
-            return torch.cat(outs), torch.cat(ents)
-        return torch.cat(outs)
+        return (out, ent) if with_entropy else out
 
     # -- training -------------------------------------------------------------------------------
     def train(
@@ -194,10 +210,10 @@ class PolicyTrainer:
         num_tokens, num_sequences = self._all_reduce(counts.double()).tolist()
         sums: dict[str, torch.Tensor] = {}
         for mb, _ in self._micro_batches(batch):
-            mb = mb.to(self.device)
             logprobs, entropy = self._forward(mb, with_entropy)
             extra = {"entropy": entropy} if with_entropy else {}
-            loss, metrics = loss_fn(logprobs, mb, num_tokens, num_sequences, **extra)
+            on_device = mb.batch.to(self.device)
+            loss, metrics = loss_fn(logprobs, on_device, num_tokens, num_sequences, **extra)
             loss.backward()
             for key, value in {**metrics, "loss": loss}.items():
                 sums[key] = sums.get(key, 0.0) + torch.as_tensor(value).detach().double().cpu()
