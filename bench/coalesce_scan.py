@@ -18,7 +18,7 @@ import torch
 from ceilings import emit
 from refit_gpu import SHAPES, metadata
 
-from tandem.weight_sync.copies import coalesce, device_copies
+from tandem.tensors.copies import coalesce, device_copies
 
 
 def main() -> None:

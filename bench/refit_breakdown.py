@@ -23,10 +23,10 @@ from ceilings import emit
 from refit_gpu import SHAPES, generator_like, metadata, timed
 from torch.multiprocessing.reductions import reduce_tensor
 
+from tandem.tensors.copies import coalesce, copy_tensors
 from tandem.weight_sync import plan_buckets
 from tandem.weight_sync.base import slot_layout
 from tandem.weight_sync.buckets import pack_piece, unpack_bucket
-from tandem.weight_sync.copies import coalesce, copy_tensors
 
 
 def _child(handles: Any, shapes: Any, results: Any) -> None:

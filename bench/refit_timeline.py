@@ -22,7 +22,8 @@ import torch
 from ceilings import emit
 from refit_gpu import SHAPES, generator_params, metadata, receiver_process, trainer_like_state
 
-from tandem.weight_sync import colocated, copies, cuda_ipc, make_receiver, make_sender
+from tandem.tensors import copies
+from tandem.weight_sync import colocated, cuda_ipc, make_receiver, make_sender
 
 SPANS: list[tuple[str, float, float]] = []
 SENDER_STEPS = ("_begin", "_attach", "_publish", "_wait_slot", "_end", "_release")

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tandem.weight_sync import RefitError, device_copies, make_receiver, make_sender, metadata_of
+from tandem.tensors import device_copies
+from tandem.weight_sync import RefitError, make_receiver, make_sender, metadata_of
 from tandem.weight_sync.buckets import flat_bytes
 
 pytestmark = [

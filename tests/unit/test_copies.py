@@ -4,14 +4,15 @@
 import pytest
 import torch
 
-from tandem.weight_sync.buckets import ALIGN_BYTES, flat_bytes, plan_buckets
-from tandem.weight_sync.copies import (
+from tandem.tensors.copies import (
+    ALIGN_BYTES,
     FOREACH_MAX_BYTES,
     TargetRuns,
     coalesce,
     copy_tensors,
     device_copies,
 )
+from tandem.weight_sync.buckets import flat_bytes, plan_buckets
 
 CPU = torch.device("cpu")
 

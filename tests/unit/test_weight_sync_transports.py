@@ -13,9 +13,9 @@ import torch
 import torch.multiprocessing as mp
 
 from tandem.config.models import RefitConfig
+from tandem.tensors import TargetRuns
 from tandem.weight_sync import (
     RefitError,
-    TargetRuns,
     bucket_bytes_for,
     make_receiver,
     make_sender,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
-from tandem.weight_sync import TargetRuns, device_copies, make_receiver
+from tandem.tensors import TargetRuns, device_copies
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -274,6 +274,8 @@ class HfGenerator(Generator):
         """As ``load_weights`` of the refit's stream, with batched copies per bucket
         (``RefitReceiver.copy_into``). The parameters never move, so where they lie is worked
         out once per plan and kept."""
+        from tandem.weight_sync import make_receiver
+
         targets = self._refit_targets
         if targets is None or targets.checked != spec.plan.key:  # the first refit of its plan
             state = self.model.state_dict()

@@ -16,7 +16,7 @@ Host copies are pinned when CUDA is present so transfers run at bus bandwidth; t
 allocator keeps the pinned blocks, so the second and later offloads do not pin again. Onload
 reserves the device memory it needs in one allocation first, so the per-tensor allocations that
 follow are carved from one cached segment instead of one ``cudaMalloc`` each. The parameters are
-carved from one allocation, back to back in order (``weight_sync.copies.device_copies``): a
+carved from one allocation, back to back in order (``tensors.copies.device_copies``): a
 live colocated refit maps that one segment (``weight_sync.cuda_ipc``), and a generator laid out
 alike copies a bucket of them at once.
 """
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.tensors.copies import device_copies
 from tandem.trainer.parallelize import reshard
-from tandem.weight_sync.copies import device_copies
 
 try:
     from torch.distributed.fsdp import FSDPModule

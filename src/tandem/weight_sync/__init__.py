@@ -30,7 +30,6 @@ from tandem.weight_sync.base import (
 )
 from tandem.weight_sync.buckets import BucketPlan, TensorMeta, plan_buckets
 from tandem.weight_sync.colocated import ColocatedReceiver, ColocatedSender
-from tandem.weight_sync.copies import TargetRuns, copy_tensors, device_copies
 from tandem.weight_sync.split import SplitReceiver, SplitSender
 
 __all__ = [
@@ -40,11 +39,8 @@ __all__ = [
     "RefitSender",
     "RefitSpec",
     "SendStats",
-    "TargetRuns",
     "TensorMeta",
     "bucket_bytes_for",
-    "copy_tensors",
-    "device_copies",
     "make_receiver",
     "make_sender",
     "metadata_of",

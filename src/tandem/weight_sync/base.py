@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from tandem.tensors.copies import TargetRuns, copy_tensors
 from tandem.weight_sync.buckets import (
     Bucket,
     BucketPlan,
@@ -29,7 +30,6 @@ from tandem.weight_sync.buckets import (
     plan_buckets,
     unpack_bucket,
 )
-from tandem.weight_sync.copies import TargetRuns, copy_tensors
 
 NUM_SLOTS = 2
 """Buffers that alternate: bucket i+1 is packed while bucket i is in flight."""

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-ALIGN_BYTES = 256
-"""Offset alignment inside a bucket: enough for every dtype and for vectorised copies."""
+from tandem.tensors.copies import ALIGN_BYTES
 
 
 @dataclass(frozen=True)

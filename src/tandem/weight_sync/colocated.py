@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.tensors.copies import TargetRuns
 from tandem.weight_sync.base import (
     NUM_SLOTS,
     RefitError,
@@ -64,7 +65,6 @@ from tandem.weight_sync.base import (
     wait_signals,
 )
 from tandem.weight_sync.buckets import Bucket, BucketPlan, Piece
-from tandem.weight_sync.copies import TargetRuns
 from tandem.weight_sync.cuda_ipc import CudaIpcError, SegmentTable, close_segment, open_segment
 
 logger = logging.getLogger(__name__)

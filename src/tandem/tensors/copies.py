@@ -21,7 +21,9 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.weight_sync.buckets import ALIGN_BYTES
+ALIGN_BYTES = 256
+"""Where tensors start in a layout of this module (and in a refit bucket): enough for every
+dtype and for vectorised copies."""
 
 FOREACH_MAX_BYTES = 4 << 20
 """``copy_tensors`` copies tensors up to this size in fused launches (``_foreach_copy_``); a
