@@ -13,6 +13,7 @@ from typing import Any
 
 from tandem.config import GrpoConfig, SftConfig, save_resolved
 from tandem.config.models import CheckpointConfig, LoggingConfig
+from tandem.files import atomic_dir
 from tandem.logging.metrics import MetricsLogger, read_metrics
 from tandem.logging.plots import plot_run
 
@@ -52,15 +53,10 @@ class Checkpoints:
 
     def save(self, step: int, runtime: Any, state: dict[str, Any]) -> Path:
         final = self.root / f"step_{step}"
-        tmp = self.root / f"step_{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        runtime.save_checkpoint(str((tmp / "trainer").resolve()))
-        (tmp / "driver_state.json").write_text(json.dumps({"step": step, **state}))
-        (tmp / COMPLETE_MARKER).touch()
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        with atomic_dir(final, hidden=True) as tmp:  # hidden: _prune's step_* never sees it
+            runtime.save_checkpoint(str((tmp / "trainer").resolve()))
+            (tmp / "driver_state.json").write_text(json.dumps({"step": step, **state}))
+            (tmp / COMPLETE_MARKER).touch()
         pointer = self.root / "latest.tmp"
         pointer.write_text(final.name)
         os.replace(pointer, self.root / "latest")

@@ -37,13 +37,14 @@ import shutil
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from filelock import FileLock
+
+from tandem.files import atomic_dir
 
 ENV_DIR_VAR = "TANDEM_ENV_DIR"
 ENV_MODE_VAR = "TANDEM_ENV_MODE"
@@ -306,9 +307,9 @@ class EnvBuilder:
     def _build_locked(self, spec: EnvSpec, final: Path) -> EnvInfo:
         for stale in self.root.glob(f".{final.name}.*"):  # leftovers of killed builds
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = self.root / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
         start = time.perf_counter()
-        try:
+        # hidden: list_envs skips the build in progress; uv venv creates the folder itself
+        with atomic_dir(final, hidden=True, create=False) as tmp:
             env = self._uv_env()
             cmd = [*self._uv, "venv", "--relocatable", "--quiet", "--python", self.python, str(tmp)]
             _run(cmd, self.project_root, env, f"uv venv for {spec.name!r}")
@@ -327,24 +328,9 @@ class EnvBuilder:
             }
             # Written last: a directory without it is never taken for a usable environment.
             (tmp / MARKER).write_text(json.dumps(marker, indent=1))
-            self._swap_in(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         info = self.info(spec)
         assert info.complete, f"{final} has no marker after a build"
         return replace(info, built=True)
-
-    def _swap_in(self, tmp: Path, final: Path) -> None:
-        # rename() cannot replace a non-empty directory: move the old one aside first. Between
-        # the two renames the env is absent (never half-present); readers without the lock then
-        # see "missing" and wait on the lock to build.
-        if final.exists():
-            old = self.root / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
 
 
 def read_info(path: Path, name: str | None = None, key: str | None = None) -> EnvInfo:
