@@ -1,34 +1,36 @@
-"""Export of the trainer's weights as a Hugging Face model folder (transformers and vLLM load
-it): config.json, safetensors files (with an index when there are several), and every tokenizer
+"""Export of a weight stream as a Hugging Face model folder (transformers and vLLM load it):
+config.json, safetensors files (with an index when there are several), and every tokenizer
 and generation file of the source folder."""
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
-if TYPE_CHECKING:
-    from tandem.trainer.policy_trainer import PolicyTrainer
+from tandem.checkpoint.state import ONE_RANK, Ranks
+from tandem.files import atomic_dir
 
 SHARD_BYTES = 4 * 2**30
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 REGENERATED = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
-def _write_weights(trainer: PolicyTrainer, folder: Path, dtype: torch.dtype | None) -> None:
-    """Streams the gathered weights into files of at most ~SHARD_BYTES (all ranks take part in
-    the gathers; only rank 0 has anything to write)."""
+def _write_weights(weights: Iterable[tuple[str, torch.Tensor]], folder: Path | None) -> None:
+    """Streams the weights into files of at most ~SHARD_BYTES. Every rank takes part in the
+    gathers behind ``weights``; only rank 0 (``folder`` set) has anything to write."""
     files: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor in trainer.iter_weights(dtype):
+    for name, tensor in weights:
+        if folder is None:
+            continue
         nbytes = tensor.numel() * tensor.element_size()
         if files[-1] and size + nbytes > SHARD_BYTES:
             _save_part(files[-1], folder, len(files))
@@ -36,7 +38,7 @@ def _write_weights(trainer: PolicyTrainer, folder: Path, dtype: torch.dtype | No
             size = 0
         files[-1][name] = tensor.detach().cpu().contiguous()
         size += nbytes
-    if trainer.rank != 0:
+    if folder is None:
         return
     if len(files) == 1:
         save_file(files[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -57,26 +59,24 @@ def _save_part(part: dict[str, torch.Tensor], folder: Path, index: int) -> None:
         part[name] = torch.empty(0)
 
 
-def export_hf(trainer: PolicyTrainer, path: Path, dtype: torch.dtype | None = None) -> None:
-    """Writes ``path`` atomically (``<path>.tmp``, then a rename). A collective under FSDP2;
-    rank 0 writes."""
-    tmp = path.with_name(path.name + ".tmp")
-    if trainer.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _write_weights(trainer, tmp, dtype)
-    if trainer.rank == 0:
-        config = copy.deepcopy(trainer.lm.config)
-        config.use_cache = trainer.hf_use_cache
-        if dtype is not None:
-            config.dtype = dtype
-        config.save_pretrained(tmp)
-        source = Path(trainer.config.model_path)
-        for item in source.iterdir():
-            weights = item.name.endswith(WEIGHT_SUFFIXES)
-            if item.is_file() and not weights and item.name not in REGENERATED:
-                shutil.copy2(item, tmp / item.name)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-    if trainer.uses_fsdp and dist.is_initialized():
-        dist.barrier()
+def export_hf(
+    path: Path,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    config: Any,
+    source_dir: Path,
+    ranks: Ranks = ONE_RANK,
+) -> None:
+    """Writes ``path`` atomically (``files.atomic_dir``): the ``weights`` stream (Hugging Face
+    names, full tensors), ``config`` (a transformers config, as it should be saved) and the
+    other files of ``source_dir`` (tokenizer, generation config; not its weights). A
+    collective when ``ranks`` is: every rank iterates ``weights``, rank 0 writes."""
+    staging = atomic_dir(path) if ranks.rank == 0 else contextlib.nullcontext(None)
+    with staging as tmp:
+        _write_weights(weights, tmp)
+        if tmp is not None:
+            config.save_pretrained(tmp)
+            for item in source_dir.iterdir():
+                weight_file = item.name.endswith(WEIGHT_SUFFIXES)
+                if item.is_file() and not weight_file and item.name not in REGENERATED:
+                    shutil.copy2(item, tmp / item.name)
+    ranks.barrier()

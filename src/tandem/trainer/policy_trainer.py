@@ -7,6 +7,7 @@ Every rank of a data-parallel group constructs one and calls the same methods in
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.checkpoint import hf_export, sharded
+from tandem.checkpoint import Ranks, TrainState, hf_export, sharded
 from tandem.config.models import PolicyConfig
 from tandem.data.batch import TrainBatch
 from tandem.data.packing import MicroBatch, plan_micro_batches, trimmed, unpack
@@ -275,19 +276,35 @@ class PolicyTrainer:
             del full
 
     # -- checkpoints ----------------------------------------------------------------------------
+    def _ranks(self) -> Ranks:
+        return Ranks(self.rank, self.world_size, self.uses_fsdp and dist.is_initialized())
+
+    def _train_state(self) -> TrainState:
+        return TrainState(self.model, self.optimizer, self.scheduler, self.step, self._ranks())
+
     def save_checkpoint(self, path: Path | str, extra: dict[str, Any] | None = None) -> None:
         """Sharded model + optimizer + scheduler state (and ``extra``, a JSON-able dict of the
         caller's state) into ``path``, atomically. A collective under FSDP2."""
         self._require_resident("save_checkpoint")
-        sharded.save(self, Path(path), extra or {})
+        sharded.save(self._train_state(), Path(path), extra or {})
 
     def load_checkpoint(self, path: Path | str) -> dict[str, Any]:
         """Restores what ``save_checkpoint`` wrote; returns its ``extra``."""
-        return sharded.load(self, Path(path))
+        state = self._train_state()
+        extra = sharded.load(state, Path(path))
+        self.step = state.step
+        return extra
 
     def export_hf(self, path: Path | str, dtype: torch.dtype | None = None) -> None:
-        """A Hugging Face folder (config, safetensors, tokenizer) of the current weights."""
-        hf_export.export_hf(self, Path(path), dtype)
+        """A Hugging Face folder (config, safetensors, tokenizer) of the current weights. A
+        collective under FSDP2."""
+        config = copy.deepcopy(self.lm.config)
+        config.use_cache = self.hf_use_cache  # as loaded: training turned it off
+        if dtype is not None:
+            config.dtype = dtype
+        weights = self.iter_weights(dtype)
+        source = Path(self.config.model_path)
+        hf_export.export_hf(Path(path), weights, config, source, self._ranks())
 
     # -- memory phases --------------------------------------------------------------------------
     def pin_offload_memory(self) -> None:
