@@ -17,8 +17,8 @@ The ceiling is the faster of two one-process copies of the same tensors into twi
 the receiver's (payload bytes / s): ``dst.copy_(src)`` per tensor, and ``copy_tensors`` of all
 of them (between two such layouts: a few byte copies, near the bulk device copy). A packed
 refit copies every byte twice (into a bucket, then out of it), so its ideal is about half of
-that; a live one (``send(..., live=True)``, the trainer's own parameters) is read in place: one
-copy.
+that; a live one (``prepare(metas, live_tensors=...)`` then ``send()``: the trainer's own
+parameters) is read in place: one copy.
 
     PYTHONPATH=src python bench/refit_gpu.py [--models 1.5b 8b] [--buckets-mib 64 512 1024 2048]
 """
@@ -178,7 +178,7 @@ def bench_model(
             specs.put((metas, spec))
             assert results.get(timeout=300) == "receiving"
             handoffs.append(time.perf_counter() - start)
-            runs.append(sender.send(iter(state.items()), live=live))
+            runs.append(sender.send() if live else sender.send(iter(state.items())))
             got, copies = results.get(timeout=300)
             assert got == expected, f"receiver checksum {got} != {expected}"
         sender.close()
@@ -205,7 +205,7 @@ def bench_model(
                 "ratio": round(best.gb_per_s / ceiling, 3),
                 "ratio_to_per_tensor_copy": round(best.gb_per_s / ceilings["per_tensor"], 3),
                 "ratio_to_bulk_copy": round(best.gb_per_s / bulk_payload_gb_s, 3),
-                # prepare() runs before send() and, live, now works out the buckets' signals
+                # prepare() runs before send() and, live, plans what is read in place
                 "ratio_to_bulk_with_prepare": round(
                     num_bytes / (best.seconds + prepares[i]) / 1e9 / bulk_payload_gb_s, 3
                 ),

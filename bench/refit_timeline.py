@@ -23,23 +23,17 @@ from ceilings import emit
 from refit_gpu import SHAPES, generator_params, metadata, receiver_process, trainer_like_state
 
 from tandem.tensors import copies
-from tandem.weight_sync import colocated, cuda_ipc, make_receiver, make_sender
+from tandem.weight_sync import base, colocated, cuda, cuda_ipc, live, make_receiver, make_sender
 
 SPANS: list[tuple[str, float, float]] = []
-SENDER_STEPS = ("_begin", "_attach", "_publish", "_wait_slot", "_end", "_release")
-RECEIVER_STEPS = (
-    "_wait_bucket",
-    "_copy_in_place",
-    "_map_buffers",
-    "_done_bucket",
-    "_confirm",
-    "_end",
-)
+SENDER_STEPS = ("_attach", "publish", "wait_slot", "end", "close")
+RECEIVER_STEPS = ("_attach", "_wait_bucket", "_slot", "_done_bucket", "_detach", "_end")
 
 
-def timed(owner: Any, name: str) -> None:
-    """Record a span for every call of ``owner.name``."""
+def timed(owner: Any, name: str, label: str = "") -> None:
+    """Record a span (named ``label``, else ``name``) for every call of ``owner.name``."""
     fn = getattr(owner, name)
+    label = label or name.lstrip("_")
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -47,7 +41,7 @@ def timed(owner: Any, name: str) -> None:
         try:
             return fn(*args, **kwargs)
         finally:
-            SPANS.append((name.lstrip("_"), start, time.perf_counter()))
+            SPANS.append((label, start, time.perf_counter()))
 
     setattr(owner, name, wrapper)
 
@@ -55,9 +49,11 @@ def timed(owner: Any, name: str) -> None:
 def _receiver(specs: Any, results: Any) -> None:
     torch.cuda.set_device(0)
     for name in RECEIVER_STEPS:
-        timed(colocated.ColocatedReceiver, name)
-    for name in ("open_segment", "close_segment", "wait_signals"):
-        timed(colocated, name)
+        timed(cuda.CudaIpcReceiver, name)
+    for name in ("open_segment", "close_segment"):
+        timed(cuda, name)
+    timed(colocated, "wait_signals")
+    timed(live.InPlaceReader, "copy", "copy_runs")
     timed(copies.TargetRuns, "copy")
     timed(torch.cuda.Stream, "wait_event")
     results.put("ready")
@@ -79,7 +75,8 @@ def main() -> None:
     parser.add_argument("--refits", type=int, default=3, help="after one warm-up refit")
     args = parser.parse_args()
     for name in SENDER_STEPS:
-        timed(colocated.ColocatedSender, name)
+        timed(cuda._CudaRefit, name)
+    timed(base._LiveTensors, "check_unmoved")
     timed(cuda_ipc.SegmentTable, "locate")
     with receiver_process(_receiver) as (specs, results):
         metas = metadata(SHAPES[args.model])
@@ -92,7 +89,7 @@ def main() -> None:
             time.sleep(0.2)  # the receiver is waiting for bucket 0 before the clock starts
             SPANS.clear()
             start = time.perf_counter()
-            stats = sender.send(iter(state.items()), live=True)
+            stats = sender.send()
             spans = [("S " + n, a, b) for n, a, b in SPANS]
             spans += [("R " + n, a, b) for n, a, b in results.get(timeout=300) if b > start]
             if refit > 0:

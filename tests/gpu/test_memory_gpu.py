@@ -128,13 +128,15 @@ def _check_refit_and_offload(model_dir: Path, setup: str, specs: Any, results: A
     torch.cuda.synchronize()
     resident = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    spec = sender.prepare(metadata)
-    specs.put(spec)
-    # One rank, onloaded: iter_weights() yields the parameters themselves. plain streams them
-    # as they are (bf16), read in place; fsdp casts its fp32 masters to bf16: new tensors.
+    # One rank, onloaded: iter_weights() yields the parameters themselves. plain sends them as
+    # they are (bf16), read in place; fsdp casts its fp32 masters to bf16: new tensors, streamed.
     assert trainer.streams_live_weights
     live = setup == "plain"
-    stats = sender.send(trainer.iter_weights(torch.bfloat16), live=live)
+    weights = [t for _, t in trainer.iter_weights(torch.bfloat16)] if live else []
+    spec = sender.prepare(metadata, live_tensors=weights)
+    specs.put(spec)
+    stats = sender.send() if live else sender.send(trainer.iter_weights(torch.bfloat16))
+    del weights
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     received = results.get(timeout=90)

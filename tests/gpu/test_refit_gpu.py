@@ -98,9 +98,12 @@ def _run(transport: str, sender_device: str, receiver_device: str, live: bool = 
             state = gpu_state_dict(refit_id, sender_device)
             torch.cuda.synchronize()
             baseline = torch.cuda.memory_allocated(sender_device)
-            spec = sender.prepare(metadata_of(state.items()))
+            # live: the tensors themselves, named at prepare(); a strided one is still packed
+            spec = sender.prepare(
+                metadata_of(state.items()), live_tensors=state.values() if live else ()
+            )
             specs.put(spec)
-            stats = sender.send(iter(state.items()), live=live)
+            stats = sender.send() if live else sender.send(iter(state.items()))
             assert stats.num_buckets == len(spec.plan.buckets) > 3
             # live: the receiver copied (most) tensors straight out of this process's memory
             assert (stats.in_place_bytes > 0) == live, stats
@@ -157,8 +160,8 @@ def _laid_out_receiver(specs: Any, results: Any) -> None:
 def test_live_refit_between_laid_out_models_is_one_copy_per_bucket() -> None:
     """Trainer and generator both lay their parameters out back to back: the trainer announces
     each bucket as one run of its memory and the generator copies it with one launch, without a
-    tensor per parameter. A split tensor is copied once, in the bucket of its last piece. (The
-    live tensors are given to prepare() here; ``_run(live=True)`` covers a refit without.)"""
+    tensor per parameter. A split tensor is copied once, in the bucket of its last piece.
+    (``_run(live=True)`` covers a live refit that also packs: a strided tensor.)"""
     with _receiver(_laid_out_receiver) as (specs, results):
         config = SimpleNamespace(transport="colocated", bucket_bytes=BUCKET_BYTES)
         sender = make_sender(config, "cuda:0", timeout_s=60)  # type: ignore[arg-type]
@@ -167,9 +170,9 @@ def test_live_refit_between_laid_out_models_is_one_copy_per_bucket() -> None:
             torch.cuda.synchronize()
             # named at prepare(): the receiver maps the trainer's memory as it attaches
             spec = sender.prepare(metadata_of(state.items()), live_tensors=state.values())
-            assert len(spec.segments) == 1  # one allocation holds every tensor
+            assert len(spec.segments) == 1 and spec.slots is None  # one allocation, no slots
             specs.put(spec)
-            stats = sender.send(iter(state.items()), live=True)
+            stats = sender.send()
             assert stats.in_place_bytes == stats.num_bytes
             completing = [b for b in spec.plan.buckets if any(p.is_last for p in b.pieces)]
             assert len(spec.plan.buckets) > len(completing) > 3
@@ -178,28 +181,29 @@ def test_live_refit_between_laid_out_models_is_one_copy_per_bucket() -> None:
 
 
 def test_live_refit_fails_on_both_sides_when_a_tensor_moved_after_prepare() -> None:
-    """Given the live tensors, prepare() works out every bucket's signal, and send() sets them
-    all before it walks the stream; the walk checks the stream against them. A tensor that is
-    not where prepare() found it fails the sender, and the receiver too, which waits for that
-    check before it reports the refit done (no silently wrong weights). The next refit lands."""
+    """prepare() plans where the receivers read each live tensor; send() first checks that
+    they are still there, then announces every bucket at once. A tensor that moved (an onload
+    between the two) fails the sender before it announces anything, and the receiver through
+    the abort (no silently wrong weights), fast. The next refit lands."""
     with _receiver(_laid_out_receiver) as (specs, results):
         config = SimpleNamespace(transport="colocated", bucket_bytes=BUCKET_BYTES)
         sender = make_sender(config, "cuda:0", timeout_s=60)  # type: ignore[arg-type]
         state = laid_out_state(1)
         spec = sender.prepare(metadata_of(state.items()), live_tensors=state.values())
-        moved = {**state, "layers.3.w": state["layers.3.w"].clone()}
+        moved = state["layers.3.w"]
+        torch.utils.swap_tensors(moved, moved.clone())  # the same tensor, in new memory
         torch.cuda.synchronize()
         specs.put(spec)
         start = time.monotonic()
-        with pytest.raises(ValueError, match=r"not where prepare\(\) found it"):
-            sender.send(iter(moved.items()), live=True)
+        with pytest.raises(ValueError, match=r"not where prepare\(\) found them"):
+            sender.send()
         kind, message = results.get(timeout=60)
-        assert kind == "error" and "not where prepare() found it" in message, message
+        assert kind == "error" and "not where prepare() found them" in message, message
         assert time.monotonic() - start < 30  # signalled, not timed out (60 s)
         state = laid_out_state(2)
         torch.cuda.synchronize()
         specs.put(sender.prepare(metadata_of(state.items()), live_tensors=state.values()))
-        stats = sender.send(iter(state.items()), live=True)
+        stats = sender.send()
         assert stats.in_place_bytes == stats.num_bytes
         copies, bad = results.get(timeout=60)
         assert copies > 3 and bad == []
@@ -212,17 +216,18 @@ def test_split_nccl_two_gpus() -> None:
 
 
 def test_colocated_names_expandable_segments_when_it_cannot_share_its_buckets() -> None:
-    """Memory from expandable segments cannot go through CUDA IPC handles: send() says which
+    """Memory from expandable segments cannot go through CUDA IPC handles: prepare() says which
     setting to unset (when it allocates the buckets, before any receiver is needed) instead of
-    failing inside the driver. (The setting is read once per process, hence the subprocess.)"""
+    failing inside the driver. The live tensor in such memory is packed, which needs the
+    buckets. (The setting is read once per process, hence the subprocess.)"""
     code = (
         "import torch; from types import SimpleNamespace\n"
         "from tandem.weight_sync import make_sender\n"
         "config = SimpleNamespace(transport='colocated', bucket_bytes=2**20)\n"
         "sender = make_sender(config, 'cuda:0', timeout_s=10)\n"
         "w = torch.ones(512, 512, device='cuda')\n"
-        "sender.prepare([('w', (512, 512), torch.float32)])\n"
-        "sender.send(iter([('w', w)]), live=True)\n"
+        "sender.prepare([('w', (512, 512), torch.float32)], live_tensors=[w])\n"
+        "sender.send()\n"
     )
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

@@ -144,7 +144,7 @@ def test_receiver_dying_mid_refit_fails_the_sender(transport: str) -> None:
         receivers.close()
 
 
-def _send_in_thread(sender: Any, stream: Any) -> tuple[threading.Thread, dict]:
+def _send_in_thread(sender: Any, stream: Any = None) -> tuple[threading.Thread, dict]:
     outcome: dict[str, Any] = {}
 
     def run() -> None:
@@ -186,6 +186,56 @@ def test_consumer_stopping_early_fails_the_sender_fast() -> None:
     assert isinstance(outcome["error"], RefitError), outcome
     assert time.monotonic() - start < TIMEOUT_S  # signalled, not timed out
     assert _leftover_shm() == []
+
+
+def test_live_tensors_given_to_prepare_are_sent_without_a_stream() -> None:
+    """``prepare(metadata, live_tensors)`` names what ``send()`` sends; on the CPU they are
+    packed (nothing is read in place)."""
+    sender = _sender("colocated")
+    state = random_state_dict(0)
+    spec = sender.prepare(metadata_of(state.items()), live_tensors=state.values())
+    assert spec.runs == ()
+    thread, outcome = _send_in_thread(sender)
+    targets = [torch.zeros_like(t) for t in state.values()]
+    make_receiver(spec, "cpu").copy_into(targets)
+    thread.join(timeout=30)
+    assert outcome["stats"].in_place_bytes == 0 and outcome["stats"].num_bytes > 0
+    for target, tensor in zip(targets, state.values(), strict=True):
+        assert torch.equal(flat_bytes(target), flat_bytes(tensor))
+    assert _leftover_shm() == []
+
+
+def test_a_live_tensor_moved_after_prepare_fails_both_sides() -> None:
+    """A live tensor that moved between ``prepare()`` and ``send()`` (an onload in between)
+    fails the sender before it announces anything, and the receiver through the abort; the
+    next refit lands. A stream next to live tensors, or none without them, fails too."""
+    sender = _sender("colocated")
+    state = random_state_dict(0)
+    spec = sender.prepare(metadata_of(state.items()), live_tensors=state.values())
+    moved = state["layers.2.q.weight"]
+    torch.utils.swap_tensors(moved, moved.clone())  # same object, new memory
+    thread, outcome = _send_in_thread(sender)
+    start = time.monotonic()
+    with pytest.raises(RefitError, match=r"'layers\.2\.q\.weight'.*not where prepare\(\) found"):
+        make_receiver(spec, "cpu").copy_into([torch.zeros_like(t) for t in state.values()])
+    thread.join(timeout=30)
+    assert isinstance(outcome["error"], ValueError), outcome
+    assert time.monotonic() - start < TIMEOUT_S  # signalled, not timed out
+    for live, stream in ((state.values(), iter(state.items())), ((), None)):
+        spec = sender.prepare(metadata_of(state.items()), live_tensors=live)
+        thread, outcome = _send_in_thread(sender, stream)
+        with pytest.raises(RefitError, match="send"):
+            list(make_receiver(spec, "cpu").iter_weights())
+        thread.join(timeout=30)
+        assert isinstance(outcome["error"], ValueError), outcome
+    spec = sender.prepare(metadata_of(state.items()), live_tensors=state.values())
+    thread, outcome = _send_in_thread(sender)
+    names = [name for name, _ in make_receiver(spec, "cpu").iter_weights()]
+    thread.join(timeout=30)
+    assert "stats" in outcome and names == list(state)
+    assert _leftover_shm() == []
+    with pytest.raises(ValueError, match="live_tensors for metadata"):
+        sender.prepare(metadata_of(state.items()), live_tensors=list(state.values())[:3])
 
 
 def test_copy_into_lands_every_tensor_and_names_a_wrong_target() -> None:

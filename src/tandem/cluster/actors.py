@@ -101,12 +101,14 @@ class TrainerWorker:
 
     def send_weights(self) -> dict[str, float]:
         """Stream the weights (a collective over trainer ranks; rank 0 sends)."""
+        if self.rank == 0 and self._streams_live():  # prepare_refit named the tensors
+            return self._sender.send().as_dict()
         stream = self._weight_stream(self.policy.iter_weights(self.refit_dtype))
         if self.rank != 0:
             for _ in stream:  # other ranks take part in the gathers only
                 pass
             return {}
-        return self._sender.send(stream, live=self._streams_live()).as_dict()
+        return self._sender.send(stream).as_dict()
 
     def save_checkpoint(self, path: str) -> None:
         self.policy.save_checkpoint(Path(path))

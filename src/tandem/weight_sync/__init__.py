@@ -6,30 +6,28 @@ spec = sender.prepare(metadata)                  # picklable RefitSpec
 sender.send(weight_stream)                       # concurrently with, in each generator worker:
 for name, tensor in make_receiver(spec, device, rank).iter_weights(): ...
 ```
-(``iter_buckets()`` yields the same tensors a bucket at a time, for batched copies;
-``copy_into(targets)`` copies them into the tensors given, in runs where both sides allow.)
-The transport (``colocated`` or ``split``) is chosen here from the config; callers never branch
-on it. Nothing in this package imports vLLM or Ray.
+A live refit names the tensors at ``prepare(metadata, live_tensors)`` and sends them with
+``send()`` (a colocated receiver on CUDA reads them in place). ``iter_buckets()`` yields the same
+tensors a bucket at a time, for batched copies; ``copy_into(targets)`` copies them into the
+tensors given, in runs where both sides allow. The transport (``split``, or ``colocated``:
+``shm`` on the CPU, ``cuda`` on a GPU) is chosen here from the config and the device; callers
+never branch on it. Nothing in this package imports vLLM or Ray.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
 
-if TYPE_CHECKING:  # at runtime only .transport/.bucket_bytes are read: no pydantic on GPU hosts
+if TYPE_CHECKING:  # only .transport/.bucket_bytes are read: tests pass a SimpleNamespace too
     from tandem.config.models import RefitConfig
-from tandem.weight_sync.base import (
-    RefitError,
-    RefitReceiver,
-    RefitSender,
-    RefitSpec,
-    SendStats,
-    metadata_of,
-)
+from tandem.weight_sync.base import RefitSender, RefitSpec, SendStats, metadata_of
 from tandem.weight_sync.buckets import BucketPlan, TensorMeta, plan_buckets
-from tandem.weight_sync.colocated import ColocatedReceiver, ColocatedSender
+from tandem.weight_sync.cuda import CudaIpcReceiver, CudaIpcSender
+from tandem.weight_sync.receiver import RefitReceiver
+from tandem.weight_sync.shm import ShmReceiver, ShmSender
+from tandem.weight_sync.signals import RefitError
 from tandem.weight_sync.split import SplitReceiver, SplitSender
 
 __all__ = [
@@ -46,6 +44,8 @@ __all__ = [
     "metadata_of",
     "plan_buckets",
 ]
+
+_T = TypeVar("_T")
 
 DEFAULT_TIMEOUT_S = 300.0
 """How long one refit step (a bucket, the rendezvous) may wait for the other side."""
@@ -96,12 +96,24 @@ def make_sender(
     device = torch.device(device)
     if timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s}; use a positive number of seconds")
-    transport = resolve_transport(config, placement)
-    cls = ColocatedSender if transport == "colocated" else SplitSender
+    cls: type[RefitSender] = SplitSender
+    if resolve_transport(config, placement) == "colocated":
+        cls = _by_device(device.type, {"cpu": ShmSender, "cuda": CudaIpcSender})
     return cls(bucket_bytes_for(config, device), device, num_receivers, timeout_s, host)
 
 
 def make_receiver(spec: RefitSpec, device: torch.device | str, rank: int = 1) -> RefitReceiver:
     """The receiver of generator worker ``rank`` (1..spec.num_receivers) for one refit."""
-    cls = ColocatedReceiver if spec.transport == "colocated" else SplitReceiver
+    cls: type[RefitReceiver] = SplitReceiver
+    if spec.transport == "colocated":  # by the sender's device (the receiver checks its own)
+        cls = _by_device(spec.device_type, {"cpu": ShmReceiver, "cuda": CudaIpcReceiver})
     return cls(spec, torch.device(device), rank)
+
+
+def _by_device(device_type: str, classes: dict[str, type[_T]]) -> type[_T]:
+    if device_type not in classes:
+        raise ValueError(
+            f"colocated refit on {device_type!r}: it shares memory on 'cpu' or 'cuda' only; "
+            "use refit.transport=split"
+        )
+    return classes[device_type]

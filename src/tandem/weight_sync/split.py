@@ -13,22 +13,16 @@ blocked in the failed one time out after ``timeout_s`` (the collective cannot be
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tandem.weight_sync.base import (
-    NUM_SLOTS,
-    RefitError,
-    RefitReceiver,
-    RefitSender,
-    RefitSpec,
-    connect_store,
-    slot_layout,
-)
-from tandem.weight_sync.buckets import BucketPlan
+from tandem.weight_sync.base import NUM_SLOTS, RefitSender, RefitSpec, SenderRefit, slot_layout
+from tandem.weight_sync.receiver import RefitReceiver
+from tandem.weight_sync.signals import RefitError, connect_store
 
 CollectiveGroup = Any
 """ProcessGroupGloo or ProcessGroupNCCL (the latter exists only in CUDA builds of torch)."""
@@ -64,7 +58,8 @@ def _broadcast(group: CollectiveGroup, tensor: torch.Tensor) -> dist.Work:
 
 
 class SplitSender(RefitSender):
-    """Broadcasts buckets from trainer rank 0 to ``num_receivers`` generator workers."""
+    """Broadcasts buckets from trainer rank 0 to ``num_receivers`` generator workers. The group
+    outlives a refit; a failed refit leaves it out of step, so the next forms a new one."""
 
     transport = "split"
 
@@ -79,69 +74,81 @@ class SplitSender(RefitSender):
         super().__init__(bucket_bytes, device, num_receivers, timeout_s, host)
         self._generation = 0
         self._group: CollectiveGroup | None = None
-        self._buffers: list[torch.Tensor] = []
-        self._works: list[dist.Work | None] = [None] * NUM_SLOTS
 
-    def _make_spec(self, refit_id: int, plan: BucketPlan) -> RefitSpec:
-        return RefitSpec(
-            refit_id=refit_id,
-            transport="split",
-            device_type=self.device.type,
-            plan=plan,
-            store_host=self._host,
-            store_port=self._store.port,
-            num_receivers=self.num_receivers,
-            timeout_s=self.timeout_s,
-            group_generation=self._generation,
-        )
+    def _open(self, spec: RefitSpec, live: list[torch.Tensor]) -> SenderRefit:
+        return _SplitRefit(dataclasses.replace(spec, group_generation=self._generation), self)
 
-    def _begin(self, spec: RefitSpec, live: bool) -> None:
+    def group(self, spec: RefitSpec) -> CollectiveGroup:
+        """The group of ``spec``'s generation, formed with the receivers on first use."""
         if self._group is None:
             size = self.num_receivers + 1
             self._group = _new_group(
                 self._store, spec.group_generation, 0, size, self.device, spec.timeout_s
             )
-        size, num_slots = slot_layout(spec.plan)
+        return self._group
+
+    def drop_group(self) -> None:
+        """The group is out of step with the receivers: the next refit forms a new one."""
+        self._group = None
+        self._generation += 1
+
+    def close(self) -> None:
+        self._group = None
+
+
+class _SplitRefit(SenderRefit):
+    def __init__(self, spec: RefitSpec, sender: SplitSender) -> None:
+        super().__init__(spec)
+        self._sender = sender
+        self._group: CollectiveGroup | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._works: list[dist.Work | None] = [None] * NUM_SLOTS
+
+    def begin(self) -> None:
+        self._group = self._sender.group(self.spec)
+        size, num_slots = slot_layout(self.spec.plan)
+        device = self._sender.device
         self._buffers = [
-            torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(num_slots)
+            torch.empty(size, dtype=torch.uint8, device=device) for _ in range(num_slots)
         ]
 
-    def _buffer(self, slot: int) -> torch.Tensor:
+    def buffer(self, slot: int) -> torch.Tensor:
         return self._buffers[slot]
 
-    def _publish(self, spec: RefitSpec, index: int, slot: int, num_bytes: int) -> None:
-        assert self._group is not None
-        self._works[slot] = _broadcast(self._group, self._buffers[slot][:num_bytes])
+    def publish(self, indices: range) -> None:
+        assert self._group is not None, "begin() forms the group"
+        for index in indices:
+            num_bytes = self.spec.plan.buckets[index].used_bytes
+            buffer = self._buffers[index % NUM_SLOTS][:num_bytes]
+            self._works[index % NUM_SLOTS] = _broadcast(self._group, buffer)
 
-    def _wait_slot(self, spec: RefitSpec, index: int) -> None:
+    def wait_slot(self, index: int) -> None:
         work, self._works[index % NUM_SLOTS] = self._works[index % NUM_SLOTS], None
         assert work is not None, "every published bucket has a pending broadcast"
         try:
             work.wait()
         except (RuntimeError, dist.DistError) as error:
             raise RefitError(
-                f"refit {spec.refit_id}: broadcast of bucket {index} failed ({error}); a "
+                f"refit {self.spec.refit_id}: broadcast of bucket {index} failed ({error}); a "
                 "generator worker probably died or stopped receiving"
             ) from error
 
-    def _end(self, spec: RefitSpec) -> None:
-        pass
-
-    def _abort(self, spec: RefitSpec, message: str) -> None:
-        # The group is now out of step with the receivers: the next refit forms a new one.
-        self._group = None
-        self._generation += 1
-
-    def _release(self, spec: RefitSpec) -> None:
-        self._works = [None] * NUM_SLOTS
-        self._buffers = []
+    def abort(self, message: str) -> None:
+        self._sender.drop_group()
 
     def close(self) -> None:
-        self._group = None
+        self._works = [None] * NUM_SLOTS
+        self._buffers = []
 
 
 class SplitReceiver(RefitReceiver):
     """Joins the sender's group as ``rank`` and receives every bucket into its own buffers."""
+
+    def __init__(self, spec: RefitSpec, device: torch.device, rank: int) -> None:
+        super().__init__(spec, device, rank)
+        self._group: CollectiveGroup | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._works: dict[int, dist.Work] = {}
 
     def _group_key(self) -> _GroupKey:
         spec = self.spec
@@ -168,7 +175,6 @@ class SplitReceiver(RefitReceiver):
         self._buffers = [
             torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(num_slots)
         ]
-        self._works: dict[int, dist.Work] = {}
         if buckets:
             self._post(0)
 

@@ -1,0 +1,94 @@
+"""Colocated refit on the CPU: both bucket slots are one file in /dev/shm, mapped by the sender
+and every receiver (``torch.from_file``). The sender unlinks the file once every receiver has
+mapped it, so nothing is left behind if a process dies; the memory goes with the last mapping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+import uuid
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from tandem.weight_sync.base import NUM_SLOTS, RefitSender, RefitSpec, SenderRefit, slot_layout
+from tandem.weight_sync.colocated import ColocatedReceiver, ColocatedRefit, slots_of
+from tandem.weight_sync.signals import RefitError
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _map(path: str, plan_bytes: int) -> torch.Tensor:
+    return torch.from_file(path, True, plan_bytes, dtype=torch.uint8)
+
+
+class ShmSender(RefitSender):
+    """Shares two bucket slots with the receivers of the same host through shared memory."""
+
+    transport = "colocated"
+
+    def _open(self, spec: RefitSpec, live: list[torch.Tensor]) -> SenderRefit:
+        return _ShmRefit(spec, self._store)
+
+
+class _ShmRefit(ColocatedRefit):
+    def __init__(self, spec: RefitSpec, store: dist.TCPStore) -> None:
+        # Both slots in one file, each as large as the largest bucket: a tiny model does not
+        # pin 2 x bucket_bytes.
+        size, num_slots = slot_layout(spec.plan)
+        path = os.path.join(_shm_dir(), f"tandem-refit-{os.getpid()}-{uuid.uuid4().hex}")
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, size * num_slots)
+        os.close(fd)
+        weakref.finalize(self, _unlink, path)  # if send() never runs (or the process ends)
+        super().__init__(dataclasses.replace(spec, shm_path=path), store)
+        self._path = path
+        self._buffers = slots_of(_map(path, size * num_slots), size, num_slots)
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self._buffers[slot]
+
+    def _on_attached(self, values: list[bytes]) -> None:
+        _unlink(self._path)  # every receiver has mapped it: nothing is left if anyone dies
+
+    def close(self) -> None:
+        self._buffers = []
+        _unlink(self._path)
+
+
+class ShmReceiver(ColocatedReceiver):
+    """Maps the sender's shared-memory slots."""
+
+    def __init__(self, spec: RefitSpec, device: torch.device, rank: int) -> None:
+        super().__init__(spec, device, rank)
+        self._buffers: list[torch.Tensor] = []
+
+    def _attach(self) -> str:
+        path = self.spec.shm_path
+        if not os.path.exists(path):  # (from_file would create it, and leave it behind)
+            aborted = self._abort_message()  # the sender failed before this receiver came
+            raise RefitError(
+                f"refit {self.spec.refit_id}: the trainer's buffers {path} are gone: the "
+                "refit already ended (a stale spec) or the trainer died"
+                + (f"; the trainer aborted it: {aborted}" if aborted else "")
+            )
+        size, num_slots = slot_layout(self.spec.plan)
+        self._buffers = slots_of(_map(path, size * num_slots), size, num_slots)
+        return "1"
+
+    def _slot(self, index: int) -> torch.Tensor:
+        return self._buffers[index % NUM_SLOTS]
+
+    def _detach(self) -> None:
+        self._buffers = []
