@@ -23,8 +23,9 @@ def default_device(local_rank: int = 0) -> torch.device:
 
 
 class TrainerWorker:
-    """One trainer rank: the policy (and, with a KL penalty, a frozen reference) plus, on rank 0,
-    the refit sender."""
+    """One trainer rank: the policy (and, with a KL penalty, a frozen reference) and its side of
+    the refit (``trainer.refit.WeightSource``). ``node_ip``: the address generators on other
+    nodes reach this one at (``WorkerGroup`` passes it)."""
 
     def __init__(
         self,
@@ -36,11 +37,12 @@ class TrainerWorker:
         with_reference: bool = False,
         num_receivers: int = 1,
         total_steps: int | None = None,
+        node_ip: str = "127.0.0.1",
     ):
         from tandem.trainer import PolicyTrainer
+        from tandem.trainer.refit import WeightSource
 
         self.rank = rank
-        self.generation = generation
         self.policy = PolicyTrainer(
             policy, rank=rank, world_size=world_size, total_steps=total_steps
         )
@@ -49,11 +51,15 @@ class TrainerWorker:
             if with_reference
             else None
         )
-        self.refit_config = refit
-        self.num_receivers = num_receivers
-        self._sender: Any = None
-        # the generators' dtype: the refit casts to it (a cast stream is not live)
-        self.refit_dtype = getattr(torch, generator_dtype(policy, generation))
+        self.weights = WeightSource(
+            self.policy,
+            refit,
+            generation.precision,
+            num_receivers,
+            # the generators' dtype: the refit casts to it (a cast stream is not live)
+            dtype=getattr(torch, generator_dtype(policy, generation)),
+            host=node_ip,
+        )
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self.policy.logprobs(batch)
@@ -65,50 +71,13 @@ class TrainerWorker:
     def train(self, batch: TrainBatch, loss_fn: Any) -> dict[str, float]:
         return self.policy.train(batch, loss_fn)
 
-    def _weight_stream(self, stream: Any) -> Any:
-        if self.generation.precision == "fp8":
-            from tandem.quant.fp8 import quantize_weight_stream
-
-            stream = quantize_weight_stream(stream)
-        return stream
-
     def prepare_refit(self) -> Any:
         """Refit metadata and rendezvous (rank 0 returns the spec, other ranks None)."""
-        if self.rank != 0:
-            return None
-        from tandem.weight_sync import make_sender, metadata_of
-
-        if self._sender is None:
-            self._sender = make_sender(
-                self.refit_config, default_device(), num_receivers=self.num_receivers
-            )
-        metas = [
-            (name, torch.empty(shape, dtype=dtype, device="meta"))
-            for name, shape, dtype in self.policy.weight_metadata(self.refit_dtype)
-        ]
-        stream = self._weight_stream(iter(metas))
-        # the parameters the refit will read in place: the generators may map them as they attach
-        live = [t for _, t in self.policy.iter_weights()] if self._streams_live() else []
-        return self._sender.prepare(metadata_of(stream), live_tensors=live)
-
-    def _streams_live(self) -> bool:
-        # FP8 quantisation and casts make new tensors; only the parameters themselves are live
-        return (
-            self.policy.streams_live_weights
-            and self.generation.precision != "fp8"
-            and all(dtype == self.refit_dtype for _, _, dtype in self.policy.weight_metadata())
-        )
+        return self.weights.prepare()
 
     def send_weights(self) -> dict[str, float]:
         """Stream the weights (a collective over trainer ranks; rank 0 sends)."""
-        if self.rank == 0 and self._streams_live():  # prepare_refit named the tensors
-            return self._sender.send().as_dict()
-        stream = self._weight_stream(self.policy.iter_weights(self.refit_dtype))
-        if self.rank != 0:
-            for _ in stream:  # other ranks take part in the gathers only
-                pass
-            return {}
-        return self._sender.send(stream).as_dict()
+        return self.weights.send()
 
     def save_checkpoint(self, path: str) -> None:
         self.policy.save_checkpoint(Path(path))

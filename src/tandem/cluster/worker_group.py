@@ -2,8 +2,9 @@
 
 The worker class knows nothing of Ray: each actor is a small host that sets the
 ``torch.distributed`` rendezvous variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``) and then builds the worker, passing ``rank`` and ``world_size``
-to its constructor when it takes them. The worker's module must be importable in the actor's
+``WORLD_SIZE``, ``LOCAL_RANK``) and then builds the worker, passing ``rank``, ``world_size`` and
+``node_ip`` (the address other nodes reach its node at; loopback on one node) to its
+constructor when it takes them. The worker's module must be importable in the actor's
 interpreter (tandem comes from the driver's source tree, first on every actor's ``PYTHONPATH``;
 anything else can be put on ``PYTHONPATH`` through ``env_vars``).
 
@@ -136,7 +137,8 @@ class WorkerGroup:
         # One node: rendezvous on loopback (nothing leaves the machine); else rank 0's node.
         master_ip = LOOPBACK if len(set(node_ids)) == 1 else node_ip(node_ids[0])
         master_port = addresses[0][1]
-        extra = _accepted(worker_cls, ["rank", "world_size"])
+        single_node = len(alive_nodes()) == 1
+        extra = _accepted(worker_cls, ["rank", "world_size", "node_ip"])
         refs = []
         for rank, actor in enumerate(self.actors):
             env = {
@@ -146,7 +148,8 @@ class WorkerGroup:
                 "WORLD_SIZE": str(self.num_workers),
                 "LOCAL_RANK": str(node_ids[:rank].count(node_ids[rank])),
             }
-            dist = {"rank": rank, "world_size": self.num_workers}
+            ip = LOOPBACK if single_node else node_ip(node_ids[rank])
+            dist = {"rank": rank, "world_size": self.num_workers, "node_ip": ip}
             init_kwargs = {**kwargs, **{k: v for k, v in dist.items() if k in extra}}
             refs.append(actor.start.remote(worker_cls, args, init_kwargs, env))
         self.get(Futures(f"{worker_cls.__name__}.__init__", list(range(self.num_workers)), refs))

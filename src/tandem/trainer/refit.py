@@ -1,0 +1,99 @@
+"""The trainer's side of every refit: what it streams, whether the stream is live, and the
+sender (trainer rank 0 only).
+
+```python
+source = WeightSource(policy, refit_config, precision="bf16", num_receivers=2, host=node_ip)
+spec = source.prepare()      # every rank; rank 0 returns the spec, the others None
+source.send()                # every rank, while the generators receive (a collective under FSDP2)
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+
+from tandem.config.models import RefitConfig
+from tandem.trainer.policy_trainer import PolicyTrainer
+from tandem.weight_sync import RefitSender, RefitSpec, make_sender, metadata_of
+
+WeightStream = Iterator[tuple[str, torch.Tensor]]
+
+
+class WeightSource:
+    """Streams ``policy``'s weights to the generators, cast to ``dtype`` (the generators'; None:
+    the trainer's own). ``precision="fp8"`` quantises them on the way
+    (``quant.quantize_weight_stream``). ``host``: the address the generators reach this node at
+    (its IP when they run on other nodes: split across nodes)."""
+
+    def __init__(
+        self,
+        policy: PolicyTrainer,
+        config: RefitConfig,
+        precision: Literal["bf16", "fp8"] = "bf16",
+        num_receivers: int = 1,
+        dtype: torch.dtype | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.policy = policy
+        self.config = config
+        self.fp8 = precision == "fp8"
+        self.dtype = dtype
+        self.num_receivers = num_receivers
+        self.host = host
+        self._sender: RefitSender | None = None
+        self._live = False  # of the prepared refit
+
+    def live(self) -> bool:
+        """Whether a refit now sends the parameters themselves, which stay put until it ends
+        (``PolicyTrainer.streams_live_weights``; FP8 quantisation and casts make new tensors)."""
+        if not self.policy.streams_live_weights or self.fp8:
+            return False
+        return self.dtype is None or all(
+            dtype == self.dtype for _, _, dtype in self.policy.weight_metadata()
+        )
+
+    def _stream(self, stream: WeightStream) -> WeightStream:
+        if self.fp8:
+            from tandem.quant.fp8 import quantize_weight_stream
+
+            return quantize_weight_stream(stream)
+        return stream
+
+    def prepare(self) -> RefitSpec | None:
+        """Plan the next refit: the metadata of the stream (the same transform over meta
+        tensors) and, when live, the parameters, whose memory a colocated receiver on CUDA maps
+        as it attaches. Rank 0 returns the spec; other ranks None."""
+        if self.policy.rank != 0:
+            return None
+        if self._sender is None:
+            self._sender = make_sender(
+                self.config, self.policy.device, num_receivers=self.num_receivers, host=self.host
+            )
+        metas = (
+            (name, torch.empty(shape, dtype=dtype, device="meta"))
+            for name, shape, dtype in self.policy.weight_metadata(self.dtype)
+        )
+        self._live = self.live()
+        live = [tensor for _, tensor in self.policy.iter_weights()] if self._live else []
+        return self._sender.prepare(metadata_of(self._stream(metas)), live_tensors=live)
+
+    def send(self) -> dict[str, float]:
+        """Send the prepared refit; rank 0 returns its ``SendStats.as_dict()``, other ranks take
+        part in the gathers and return {}."""
+        if self.policy.rank != 0:
+            for _ in self._stream(self.policy.iter_weights(self.dtype)):
+                pass
+            return {}
+        if self._sender is None:
+            raise RuntimeError("send() without prepare(); call prepare() first")
+        if self._live:  # one rank: no gathers to take part in
+            return self._sender.send().as_dict()
+        return self._sender.send(self._stream(self.policy.iter_weights(self.dtype))).as_dict()
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
