@@ -14,10 +14,18 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 class EchoWorker:
     """Reports where it runs; adds; fails or dies on request; all-reduces over gloo."""
 
-    def __init__(self, scale: int = 1, rank: int = 0, world_size: int = 1, fail: bool = False):
+    def __init__(
+        self,
+        scale: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        fail: bool = False,
+        node_ip: str = "",
+    ):
         if fail:
             raise RuntimeError("constructor asked to fail")
         self.scale, self.rank, self.world_size = scale, rank, world_size
+        self.node_ip = node_ip
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -27,6 +35,7 @@ class EchoWorker:
         return {
             "rank": self.rank,
             "world_size": self.world_size,
+            "node_ip": self.node_ip,
             "env": {name: os.environ.get(name) for name in names},
             "pid": os.getpid(),
             "executable": sys.executable,

@@ -29,6 +29,7 @@ def test_fan_out_gather_and_per_rank(ray_cluster: None, mode: str) -> None:
         assert [i["env"]["RANK"] for i in infos] == ["0", "1"]
         assert [i["env"]["LOCAL_RANK"] for i in infos] == ["0", "1"]  # one node
         assert {i["env"]["MASTER_ADDR"] for i in infos} == {"127.0.0.1"}
+        assert {i["node_ip"] for i in infos} == {"127.0.0.1"}  # where a refit's store listens
         assert len({i["env"]["MASTER_PORT"] for i in infos}) == 1
         assert len({i["pid"] for i in infos}) == 2
 
