@@ -71,9 +71,11 @@ class TandemWorkerExtension:
         scales: dict[str, dict[str, float]] = {}
 
         def owned() -> Iterator[tuple[str, torch.Tensor]]:
-            # vLLM's layerwise reload keeps the tensors of a layer until the whole layer has
-            # arrived, but refit receivers yield views into bucket buffers that the next bucket
-            # overwrites: views are copied, owned tensors pass as they are.
+            # vLLM 0.32's layerwise reload keeps the tensors of a layer until the whole layer
+            # has arrived, and those of a padded layer (a vocabulary not a multiple of 64) until
+            # after the stream ends; refit receivers yield views into buckets that the next
+            # buckets overwrite, or into memory unmapped at the end. Views are copied, owned
+            # tensors pass as they are (docs/architecture.md, "vLLM's receive path").
             nonlocal count
             for name, tensor in weights:
                 count += 1
