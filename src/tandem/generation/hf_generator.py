@@ -120,7 +120,7 @@ class HfGenerator(Generator):
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
         # The parameters back to back in one allocation, as a trainer's after onload(): a refit
-        # then copies runs of them at once (weight_sync.copies).
+        # then copies runs of them at once (tensors.copies).
         params = list(self.model.parameters())
         with torch.no_grad():
             copies = device_copies([p.detach() for p in params], self.device)
