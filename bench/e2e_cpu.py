@@ -1,0 +1,209 @@
+"""tandem against TRL's GRPOTrainer on this CPU machine, same work, runs alternating.
+
+Two workloads (``--workloads``):
+
+- ``short``: the embedded 0.8M-parameter model on the arithmetic task, 8 prompts x 8, <= 8 tokens,
+  exact-match reward, 12 steps; also the whole process, start to exit, of both;
+- ``long``: a random ~21M-parameter Qwen2 (hidden 512, 6 layers, the embedded tokenizer), 8
+  prompts x 8, <= 128 tokens (a random model rarely stops early), the dense digit reward, 5 steps.
+
+Each round runs ``tandem grpo`` (its CLI, the main job's recipe with the workload's overrides,
+isolated actor environments: what a user runs) and then ``trl_peer.py`` in a scratch venv the
+bench builds with uv (TRL 1.16 beside the same torch and transformers as tandem's lock; TRL is
+not a tandem dependency). A run's figure is the median of its steps after the first; one JSON
+line per run, then per workload the medians over rounds, their spread and the ratio.
+
+    ./run.sh python bench/e2e_cpu.py [--workloads short long] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+from ceilings import emit
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+TRL_VERSION = "1.16.0"
+
+WORKLOADS = {
+    "short": {
+        "steps": 12,
+        "max_tokens": 8,
+        "reward": "exact_match",
+        "lr": 1e-4,
+        "model": None,
+    },
+    "long": {
+        "steps": 5,
+        "max_tokens": 128,
+        "reward": "digit_fraction",
+        "lr": 1e-5,
+        "model": dict(
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+        ),
+    },
+}
+PROMPTS, GENERATIONS = 8, 8
+
+
+def trl_python(root: Path) -> Path:
+    """A scratch venv with TRL beside tandem's torch and transformers (built once)."""
+    venv = root / f"trl-{TRL_VERSION}"
+    python = venv / "bin" / "python"
+    if python.exists():
+        return python
+    env = {**os.environ, "UV_FIND_LINKS": str(ROOT / ".wheels")}
+    subprocess.run(["uv", "venv", "-q", "--python", sys.executable, str(venv)], check=True)
+    pins = [f"torch=={version('torch')}", f"transformers=={version('transformers')}"]
+    packages = [*pins, f"trl=={TRL_VERSION}", "datasets", "accelerate"]
+    subprocess.run(
+        ["uv", "pip", "install", "-q", "--python", str(python), *packages], check=True, env=env
+    )
+    return python
+
+
+def model_path(name: str, root: Path) -> Path:
+    from tandem.assets import DEFAULT_MODEL_DIR, write_random_qwen2
+
+    shape = WORKLOADS[name]["model"]
+    return DEFAULT_MODEL_DIR if shape is None else write_random_qwen2(root / name, shape)
+
+
+def prompts_file(model: Path, steps: int, root: Path) -> Path:
+    from tandem.config import DataConfig
+    from tandem.data.prompts import make_prompt_source
+
+    source = make_prompt_source(DataConfig(), model, lambda *_: 0.0, seed=0)
+    path = root / "prompts.jsonl"
+    rows = source.train_prompts(0, PROMPTS * steps)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def run_tandem(name: str, model: Path, root: Path, index: int) -> tuple[float, float]:
+    """(median step, whole process seconds) of ``tandem grpo`` on the workload."""
+    work = WORKLOADS[name]
+    run_dir = root / "tandem-runs"
+    reward = "exact_match" if work["reward"] == "exact_match" else "e2e_rewards:digit_fraction"
+    overrides = [
+        f"policy.model_path={model}",
+        f"policy.optimizer.lr={work['lr']}",
+        f"algorithm.num_steps={work['steps']}",
+        f"algorithm.prompts_per_step={PROMPTS}",
+        f"algorithm.num_generations={GENERATIONS}",
+        "algorithm.eval_every=0",
+        f"generation.sampling.max_tokens={work['max_tokens']}",
+        f"data.reward={reward}",
+        "checkpoint.enabled=false",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        f"logging.run_dir={run_dir}",
+        f"logging.name={name}-{index}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(BENCH)}
+    start = time.perf_counter()
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("tandem")), "grpo", *overrides],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    whole = time.perf_counter() - start
+    if out.returncode != 0:
+        raise RuntimeError(f"tandem grpo failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    lines = (run_dir / f"{name}-{index}" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["timing/step_s"] for line in lines if line]
+    return statistics.median(steps[1:]), whole
+
+
+def run_trl(name: str, model: Path, prompts: Path, python: Path, index: int) -> tuple[float, float]:
+    work = WORKLOADS[name]
+    command = [
+        str(python),
+        str(BENCH / "trl_peer.py"),
+        f"--model={model}",
+        f"--prompts={prompts}",
+        f"--reward={work['reward']}",
+        f"--steps={work['steps']}",
+        f"--prompts-per-step={PROMPTS}",
+        f"--generations={GENERATIONS}",
+        f"--max-tokens={work['max_tokens']}",
+        f"--lr={work['lr']}",
+        f"--label={name}-{index}",
+    ]
+    start = time.perf_counter()
+    out = subprocess.run(command, capture_output=True, text=True)
+    whole = time.perf_counter() - start
+    steps = [json.loads(line)["value"] for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not steps:
+        raise RuntimeError(f"TRL run failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return statistics.median(steps[1:]), whole
+
+
+def spread(values: list[float]) -> list[float]:
+    return [round(min(values), 3), round(max(values), 3)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workloads", nargs="+", default=["short", "long"], choices=WORKLOADS)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    root = Path(tempfile.gettempdir()) / "tandem-e2e-cpu"
+    root.mkdir(exist_ok=True)
+    python = trl_python(root)
+    for name in args.workloads:
+        model = model_path(name, root)
+        prompts = prompts_file(model, WORKLOADS[name]["steps"], root)
+        runs: dict[str, list[tuple[float, float]]] = {"tandem": [], "trl": []}
+        for index in range(args.rounds):
+            runs["tandem"].append(run_tandem(name, model, root, index))
+            runs["trl"].append(run_trl(name, model, prompts, python, index))
+            for side, values in runs.items():
+                step, whole = values[-1]
+                emit(
+                    {
+                        "figure": "e2e_cpu_run",
+                        "workload": name,
+                        "side": side,
+                        "round": index,
+                        "step_s": round(step, 4),
+                        "process_s": round(whole, 2),
+                    }
+                )
+        step = {side: statistics.median(v[0] for v in values) for side, values in runs.items()}
+        whole = {side: statistics.median(v[1] for v in values) for side, values in runs.items()}
+        emit(
+            {
+                "figure": "e2e_cpu_vs_trl",
+                "workload": name,
+                "rounds": args.rounds,
+                "tandem_step_s": round(step["tandem"], 4),
+                "trl_step_s": round(step["trl"], 4),
+                "step_ratio": round(step["tandem"] / step["trl"], 3),
+                "tandem_step_spread": spread([v[0] for v in runs["tandem"]]),
+                "trl_step_spread": spread([v[0] for v in runs["trl"]]),
+                "tandem_process_s": round(whole["tandem"], 2),
+                "trl_process_s": round(whole["trl"], 2),
+                "process_ratio": round(whole["tandem"] / whole["trl"], 3),
+                "cores": len(os.sched_getaffinity(0)),
+            }
+        )
+
+
+if __name__ == "__main__":
+    main()
