@@ -163,6 +163,8 @@ class Runtime:
             on_close=placement.remove,
         )
         runtime.placement = placement
+        # an FP8 engine starts from dummy weights: the first generation refits first
+        runtime._phase.weights_current = spec.generation.precision != "fp8"
         if runtime.memory_phases:  # pinned while the generators load and first generate
             trainers.run("pin_offload_memory")
         return runtime

@@ -134,6 +134,15 @@ class GenerationConfig(Section):
     kv_scale_recalibrate_every: int = Field(1, ge=1)
     """Recalibrate FP8 KV-cache scales every K steps (when kv_cache_dtype is fp8)."""
 
+    @model_validator(mode="after")
+    def _fp8_needs_vllm(self) -> GenerationConfig:
+        if self.precision == "fp8" and self.backend != "vllm":
+            raise ValueError(
+                "generation.precision=fp8 needs generation.backend=vllm (the hf backend has no "
+                "FP8 layers); use precision: bf16 with backend hf"
+            )
+        return self
+
 
 def generator_dtype(policy: PolicyConfig, generation: GenerationConfig) -> str:
     """``generation.dtype`` with auto resolved to the trainer's compute dtype."""

