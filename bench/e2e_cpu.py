@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -94,13 +95,15 @@ def prompts_file(model: Path, steps: int, root: Path) -> Path:
     return path
 
 
-def run_tandem(name: str, model: Path, root: Path, index: int) -> tuple[float, float]:
+def run_tandem(name: str, model: Path, root: Path, index: int, backend: str) -> tuple[float, float]:
     """(median step, whole process seconds) of ``tandem grpo`` on the workload."""
     work = WORKLOADS[name]
     run_dir = root / "tandem-runs"
+    shutil.rmtree(run_dir / f"{name}-{index}", ignore_errors=True)
     reward = "exact_match" if work["reward"] == "exact_match" else "e2e_rewards:digit_fraction"
     overrides = [
         f"policy.model_path={model}",
+        f"generation.backend={backend}",
         f"policy.optimizer.lr={work['lr']}",
         f"algorithm.num_steps={work['steps']}",
         f"algorithm.prompts_per_step={PROMPTS}",
@@ -148,7 +151,11 @@ def run_trl(name: str, model: Path, prompts: Path, python: Path, index: int) -> 
     start = time.perf_counter()
     out = subprocess.run(command, capture_output=True, text=True)
     whole = time.perf_counter() - start
-    steps = [json.loads(line)["value"] for line in out.stdout.splitlines() if line.startswith("{")]
+    steps = [
+        json.loads(line)["value"]
+        for line in out.stdout.splitlines()
+        if line.startswith('{"figure"')
+    ]
     if out.returncode != 0 or not steps:
         raise RuntimeError(f"TRL run failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return statistics.median(steps[1:]), whole
@@ -162,6 +169,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workloads", nargs="+", default=["short", "long"], choices=WORKLOADS)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
     args = parser.parse_args()
     root = Path(tempfile.gettempdir()) / "tandem-e2e-cpu"
     root.mkdir(exist_ok=True)
@@ -171,7 +179,7 @@ def main() -> None:
         prompts = prompts_file(model, WORKLOADS[name]["steps"], root)
         runs: dict[str, list[tuple[float, float]]] = {"tandem": [], "trl": []}
         for index in range(args.rounds):
-            runs["tandem"].append(run_tandem(name, model, root, index))
+            runs["tandem"].append(run_tandem(name, model, root, index, args.backend))
             runs["trl"].append(run_trl(name, model, prompts, python, index))
             for side, values in runs.items():
                 step, whole = values[-1]
@@ -191,6 +199,7 @@ def main() -> None:
             {
                 "figure": "e2e_cpu_vs_trl",
                 "workload": name,
+                "tandem_backend": args.backend,
                 "rounds": args.rounds,
                 "tandem_step_s": round(step["tandem"], 4),
                 "trl_step_s": round(step["trl"], 4),

@@ -108,7 +108,7 @@ def run_trl(path: Path, args: argparse.Namespace, root: Path, label: str) -> flo
         *(["--bf16"] if args.mixed_precision else []),
     ]
     out = subprocess.run(command, capture_output=True, text=True, check=False)
-    steps = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    steps = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"figure"')]
     if out.returncode != 0 or not steps:
         raise RuntimeError(f"TRL run failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return median_step([r["value"] for r in steps])
