@@ -119,6 +119,7 @@ def side_by_side(shape: str, path: Path, args: argparse.Namespace, root: Path) -
     times: dict[str, list[float]] = {"tandem": [], "trl": []}
     for round_index in range(args.rounds):
         records = run_tandem(path, args, root / f"runs-{round_index}")
+        emit_breakdown(shape, records, args, round=round_index)
         times["tandem"].append(median_step([r["timing/step_s"] for r in records if r["step"]]))
         times["trl"].append(run_trl(path, args, root, f"{shape}-{round_index}"))
         emit(
@@ -135,12 +136,44 @@ def side_by_side(shape: str, path: Path, args: argparse.Namespace, root: Path) -
             "figure": "e2e_gpu_vs_trl",
             "shape": shape,
             "mixed_precision": args.mixed_precision,
+            "micro_batch_size": args.micro_batch_size,
             "tandem_step_s": round(tandem, 3),
             "trl_step_s": round(trl, 3),
             "ratio": round(tandem / trl, 3),
             "tandem_runs": [round(v, 3) for v in times["tandem"]],
             "trl_runs": [round(v, 3) for v in times["trl"]],
             "work": f"{args.prompts}x{args.generations}x<={args.max_tokens} tokens",
+        }
+    )
+
+
+def emit_breakdown(
+    shape: str, records: list[dict[str, Any]], args: argparse.Namespace, **extra: Any
+) -> None:
+    """One line for each step after the first, then their medians, the worst mismatch and the
+    pinned-copy ceilings of this run."""
+    setup = {"mixed_precision": args.mixed_precision, "kl_coef": args.kl_coef, **extra}
+    steps = [r for r in records if r["step"] >= 1]
+    for record in steps:
+        emit(
+            {
+                "figure": "e2e_gpu_step",
+                "shape": shape,
+                **setup,
+                "step": record["step"],
+                **{k: record.get(k) for k in PER_STEP},
+            }
+        )
+    later = steps[1:] or steps
+    emit(
+        {
+            "figure": "e2e_gpu_median",
+            "shape": shape,
+            **setup,
+            "steps": len(later),
+            **{k: statistics.median(r.get(k, 0.0) for r in later) for k in PER_STEP},
+            "mismatch_max": max(r["gen/logprob_mismatch"] for r in steps),
+            **args.ceilings,
         }
     )
 
@@ -163,38 +196,13 @@ def main() -> None:
         shape: write_random_qwen2(root / f"qwen2-{shape}", QWEN2_SHAPES[shape], device="cuda")
         for shape in args.shapes
     }
-    ceilings = {k: round(v, 2) for k, v in measure_ceilings().items()}
+    args.ceilings = {k: round(v, 2) for k, v in measure_ceilings().items()}
     torch.cuda.empty_cache()
-    setup = {"mixed_precision": args.mixed_precision, "kl_coef": args.kl_coef}
-    if args.trl:
-        for shape, path in paths.items():
-            side_by_side(shape, path, args, root)
-        return
     for shape, path in paths.items():
-        records = run_tandem(path, args, root / "runs")
-        steps = [r for r in records if r["step"] >= 1]
-        for record in steps:
-            emit(
-                {
-                    "figure": "e2e_gpu_step",
-                    "shape": shape,
-                    **setup,
-                    "step": record["step"],
-                    **{k: record.get(k) for k in PER_STEP},
-                }
-            )
-        later = steps[1:] or steps
-        emit(
-            {
-                "figure": "e2e_gpu_median",
-                "shape": shape,
-                **setup,
-                "steps": len(later),
-                **{k: statistics.median(r.get(k, 0.0) for r in later) for k in PER_STEP},
-                "mismatch_max": max(r["gen/logprob_mismatch"] for r in steps),
-                **ceilings,
-            }
-        )
+        if args.trl:
+            side_by_side(shape, path, args, root)
+        else:
+            emit_breakdown(shape, run_tandem(path, args, root / "runs"), args)
 
 
 if __name__ == "__main__":

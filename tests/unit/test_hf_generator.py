@@ -182,3 +182,23 @@ def test_gumbel_noise_draws_from_the_softmax_and_depends_only_on_key_and_step() 
     alone = gumbel_noise(keys[7:8], step=3, vocab_size=5)
     assert torch.equal(alone[0], gumbel_noise(keys, step=3, vocab_size=5)[7])
     assert not torch.equal(alone, gumbel_noise(keys[7:8], step=4, vocab_size=5))
+
+
+def test_static_cache_decode_matches_the_dynamic_cache(generator: HfGenerator) -> None:
+    """The GPU's decode path (static cache, prepared masks; graphs aside) run on the CPU: the
+    same sampled tokens and logprobs as the dynamic cache, over left-padded prompts of three
+    lengths, and the logprobs are the model's own on the full sequence."""
+    ids = _prompt_ids(generator)
+    params = SamplingParams(temperature=1.0, max_tokens=8, n=3, seed=5)
+    dynamic = generator.generate(ids, params)
+    generator.static_cache = True
+    try:
+        static = generator.generate(ids, params)
+    finally:
+        generator.static_cache = False
+    assert [r.response_token_ids for r in static] == [r.response_token_ids for r in dynamic]
+    assert any(len(r.response_token_ids) > 2 for r in static)
+    for s, d in zip(static, dynamic, strict=True):
+        assert s.response_logprobs == pytest.approx(d.response_logprobs, abs=1e-5)
+        direct = _direct_logprobs(generator, s.prompt_token_ids, s.response_token_ids)
+        assert s.response_logprobs == pytest.approx(direct.tolist(), abs=1e-5)

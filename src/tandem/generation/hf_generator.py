@@ -8,12 +8,18 @@ per-request seeds), and the logprob of each sampled token is taken from the raw 
 vLLM's ``raw_logprobs`` semantics (see ``tandem.generation.base``). The loop stays on the device
 (per-row streams are counter-based noise, not one torch.Generator per row), with one host sync
 per step as in ``generate``.
+
+On a GPU the decode steps run over a static KV cache with a prepared attention mask, and each
+step after the first is one CUDA graph replay: a small model's decode step is otherwise bound by
+the launch of its hundreds of kernels, not by the GPU.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +29,8 @@ from torch import nn
 
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
 from tandem.tensors import TargetRuns, device_copies
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -112,6 +120,7 @@ class HfGenerator(Generator):
         device: str | torch.device = "cpu",
         dtype: str = "float32",
         max_batch_size: int = 256,
+        cuda_graphs: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -135,6 +144,13 @@ class HfGenerator(Generator):
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else next(iter(self.eos_token_ids), 0))
         self.max_batch_size = max_batch_size
+        # The static-cache decode (CUDA graphs on top) on a GPU; the dynamic cache elsewhere.
+        self.static_cache = self.device.type == "cuda"
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        forward = type(self.model.model).forward if hasattr(self.model, "model") else None
+        self._takes_cache_position = forward is not None and (
+            "cache_position" in inspect.signature(forward).parameters
+        )
         self._refit_targets: TargetRuns | None = None  # the parameters in a refit's order
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Rollout]:
@@ -172,12 +188,14 @@ class HfGenerator(Generator):
         size, width = len(prompts), max(len(p) for p in prompts)
         steps = params.max_tokens
         input_ids = torch.full((size, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((size, width + steps), dtype=torch.long)
+        valid = torch.zeros((size, width + steps), dtype=torch.bool)
         for row, prompt in enumerate(prompts):  # left padding: the next token is at the end
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            attention_mask[row, width - len(prompt) : width] = 1
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        position_ids = (attention_mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+            valid[row, width - len(prompt) : width] = True
+        input_ids, valid = input_ids.to(self.device), valid.to(self.device)
+        position_ids = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
+        decoder = self._static_decoder if self.static_cache else self._dynamic_decoder
+        logits, advance = decoder(input_ids, valid, position_ids, steps)
         keys = sample_keys(seeds, self.device)
         eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=self.device)
         tokens = torch.full((size, steps), self.pad_token_id, dtype=torch.long, device=self.device)
@@ -185,15 +203,8 @@ class HfGenerator(Generator):
         lengths = torch.zeros(size, dtype=torch.long, device=self.device)
         stopped = torch.zeros(size, dtype=torch.bool, device=self.device)
         stop_cut: dict[int, str] = {}
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask[:, :width],
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
-        )
         for step in range(steps):
-            logits = out.logits[:, -1, :].float()
+            logits = logits.float()
             token = self._sample(logits, keys, step, params)
             active = ~stopped
             tokens[:, step] = torch.where(active, token, self.pad_token_id)
@@ -205,16 +216,116 @@ class HfGenerator(Generator):
                 self._cut_stop_strings(tokens, lengths, stopped, stop_cut, params.stop)
             if step + 1 == steps or bool(stopped.all()):
                 break
+            logits = advance(token, step)
+        return self._samples(tokens, logprobs, lengths, stopped, stop_cut)
+
+    def _dynamic_decoder(
+        self, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor, steps: int
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
+        """Prefill, then one model call per token over transformers' growing (dynamic) cache:
+        the first token's logits and the function that feeds step ``step``'s token and returns
+        the next logits."""
+        width = input_ids.shape[1]
+        attention_mask = valid.long()
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask[:, :width],
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        state = {"cache": out.past_key_values, "position": position_ids[:, -1:]}
+
+        def advance(token: torch.Tensor, step: int) -> torch.Tensor:
             attention_mask[:, width + step] = 1
-            position_ids = position_ids[:, -1:] + 1
+            state["position"] = state["position"] + 1
             out = self.model(
                 input_ids=token[:, None],
                 attention_mask=attention_mask[:, : width + step + 1],
-                position_ids=position_ids,
-                past_key_values=out.past_key_values,
+                position_ids=state["position"],
+                past_key_values=state["cache"],
                 use_cache=True,
             )
-        return self._samples(tokens, logprobs, lengths, stopped, stop_cut)
+            state["cache"] = out.past_key_values
+            return out.logits[:, -1, :]
+
+        return out.logits[:, -1, :], advance
+
+    def _static_decoder(
+        self, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor, steps: int
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
+        """As ``_dynamic_decoder`` over a static cache of ``width + steps`` positions with
+        prepared boolean masks (a key is seen when it is a real token at or before the query; a
+        padding query sees itself, so no row is empty). Every decode step reads the same input
+        buffers, so on a GPU the steps after the first replay one captured CUDA graph."""
+        from transformers import StaticCache
+
+        size, width = input_ids.shape
+        length = width + steps
+        cache = StaticCache(config=self.model.config, max_cache_len=length)
+        key = torch.arange(length, device=self.device)
+        query = torch.arange(width, device=self.device)
+        prefill_mask = (key[None, :] <= query[:, None])[None] & valid[:, None, :]
+        prefill_mask |= key[None, :] == query[:, None]  # [B, width, length]
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=prefill_mask[:, None],
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **self._cache_position(torch.arange(width, device=self.device)),
+        )
+        # The decode step's inputs: written before each step, read by the graph.
+        token_in = torch.zeros((size, 1), dtype=torch.long, device=self.device)
+        position_in = position_ids[:, -1:].clone()
+        mask_in = valid[:, None, None, :].clone()  # [B, 1, 1, length]
+        cache_position_in = torch.full((1,), width, dtype=torch.long, device=self.device)
+
+        def forward() -> torch.Tensor:
+            out = self.model(
+                input_ids=token_in,
+                attention_mask=mask_in,
+                position_ids=position_in,
+                past_key_values=cache,
+                use_cache=True,
+                **self._cache_position(cache_position_in),
+            )
+            return out.logits[:, -1, :]
+
+        graph: dict[str, Any] = {}
+
+        def advance(token: torch.Tensor, step: int) -> torch.Tensor:
+            token_in.copy_(token[:, None])
+            position_in.add_(1)
+            mask_in[..., width + step] = True
+            cache_position_in.fill_(width + step)
+            # the first step runs eagerly: it also warms the kernels up for the capture
+            if step > 0 and self.cuda_graphs and "logits" not in graph:
+                self._capture(forward, graph)  # records the step; runs nothing
+            if "logits" in graph:
+                graph["graph"].replay()
+                return graph["logits"].clone()
+            return forward()
+
+        return out.logits[:, -1, :], advance
+
+    def _cache_position(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``cache_position`` for the transformers releases whose models still take it."""
+        return {"cache_position": positions} if self._takes_cache_position else {}
+
+    def _capture(self, forward: Callable[[], torch.Tensor], graph: dict[str, Any]) -> None:
+        """Capture ``forward`` as a CUDA graph into ``graph`` (its outputs are then the graph's
+        static tensors); where the model cannot be captured, decode eagerly from now on."""
+        cuda_graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(cuda_graph):
+                logits = forward()
+        except RuntimeError as err:  # a host sync or an uncapturable kernel in the model
+            log.warning("hf generator: decoding without CUDA graphs (capture failed: %s)", err)
+            self.cuda_graphs = False
+            return
+        graph.update(graph=cuda_graph, logits=logits)
 
     def _cut_stop_strings(
         self,
