@@ -19,7 +19,7 @@ if [ ! -e .wheels ]; then
   links=${links:-${PIP_FIND_LINKS:-}}
   if [ -n "$links" ]; then ln -sfn "$links" .wheels; else mkdir -p .wheels; fi
 fi
-export UV_FIND_LINKS="$PWD/.wheels" UV_COMPILE_BYTECODE=1
+export UV_FIND_LINKS="$PWD/.wheels"
 # A driver started through `uv run` must not trigger Ray's own uv runtime-env hook.
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
 

@@ -7,7 +7,9 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -129,14 +131,9 @@ def run_loop(
 
 def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
     from tandem.algorithms.grpo import evaluate, grpo_step
-    from tandem.cluster.runtime import Runtime, RuntimeSpec
-    from tandem.data.prompts import make_prompt_source
-    from tandem.rewards import load_reward
+    from tandem.cluster.runtime import RuntimeSpec
 
     algo = config.algorithm
-    source = make_prompt_source(
-        config.data, config.policy.model_path, load_reward(config.data.reward), seed=algo.seed
-    )
     spec = RuntimeSpec(
         config.cluster,
         config.policy,
@@ -145,7 +142,7 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
         with_reference=algo.kl_coef > 0,
         total_steps=algo.num_steps,
     )
-    with Runtime.start(spec) as runtime:
+    with runtime_and_prompts(config, spec) as (runtime, source):
         return run_loop(
             config,
             "grpo",
@@ -169,19 +166,32 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
         )
 
 
+@contextmanager
+def runtime_and_prompts(config: GrpoConfig | SftConfig, spec: Any) -> Iterator[tuple[Any, Any]]:
+    """The started runtime and the prompt source. The prompts are read (and checked) before
+    anything starts; the tokenizer loads (transformers' import takes seconds) while the actors
+    start."""
+    from tandem.cluster.runtime import Runtime
+    from tandem.data.prompts import PromptSource, load_prompt_items, load_tokenizer
+    from tandem.rewards import load_reward
+
+    seed = config.algorithm.seed
+    reward = load_reward(config.data.reward)
+    train, eval_items = load_prompt_items(config.data, seed)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        tokenizer = pool.submit(load_tokenizer, config.policy.model_path)
+        with Runtime.start(spec) as runtime:
+            yield runtime, PromptSource(train, eval_items, tokenizer.result(), reward, seed)
+
+
 def run_sft(config: SftConfig, resume: bool = False) -> list[dict[str, Any]]:
     """SFT; held-out accuracy is measured by refitting a generator before each evaluation."""
     from tandem.algorithms.grpo import evaluate
     from tandem.algorithms.sft import sft_step
-    from tandem.cluster.runtime import Runtime, RuntimeSpec
+    from tandem.cluster.runtime import RuntimeSpec
     from tandem.config.models import RefitConfig
-    from tandem.data.prompts import make_prompt_source
-    from tandem.rewards import load_reward
 
     algo = config.algorithm
-    source = make_prompt_source(
-        config.data, config.policy.model_path, load_reward(config.data.reward), seed=algo.seed
-    )
     sampling = config.generation.sampling
     spec = RuntimeSpec(
         config.cluster, config.policy, config.generation, RefitConfig(), total_steps=algo.num_steps
@@ -191,7 +201,7 @@ def run_sft(config: SftConfig, resume: bool = False) -> list[dict[str, Any]]:
         runtime.refit()
         return evaluate(runtime, source, config.data.num_eval_prompts, sampling)
 
-    with Runtime.start(spec) as runtime:
+    with runtime_and_prompts(config, spec) as (runtime, source):
         records = run_loop(
             config,
             "sft",

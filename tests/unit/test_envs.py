@@ -84,6 +84,9 @@ def test_key_follows_requirements_only(project: Path) -> None:
     assert after.key(a) == key_a
     assert after.key(b) != key_b
     assert after.requirements(b) == [PROBE]
+    exports = sorted((envs.cache_root() / envs.EXPORTS_DIR).iterdir())
+    assert len(exports) == 4  # one per (lock, project file, extras): a's reused after the change
+    assert _builder(project).requirements(b) == [PROBE]  # from the cache
 
 
 def test_build_then_reuse(project: Path) -> None:
@@ -124,7 +127,7 @@ def test_failed_sync_leaves_nothing(project: Path, tmp_path: Path, monkeypatch) 
     with pytest.raises(EnvBuildError, match="uv sync"):
         builder.ensure(EnvSpec("a", ("a",)))
     leftovers = [p.name for p in envs.cache_root().iterdir() if p.is_dir()]
-    assert leftovers == []  # no env and no temporary build directory left behind
+    assert leftovers == [envs.EXPORTS_DIR]  # no env and no temporary build directory left behind
     assert envs.list_envs() == []
 
 
@@ -162,7 +165,7 @@ def test_concurrent_builds_make_one_env(project: Path) -> None:
     assert results[0]["path"] == results[1]["path"]
     assert sorted(r["built"] for r in results) == [False, True]
     dirs = [p.name for p in envs.cache_root().iterdir() if p.is_dir()]
-    assert dirs == [Path(results[0]["path"]).name]
+    assert sorted(dirs) == [envs.EXPORTS_DIR, Path(results[0]["path"]).name]
 
 
 def test_wheels_link_follows_pip_config(project: Path, tmp_path: Path, monkeypatch) -> None:

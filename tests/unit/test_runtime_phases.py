@@ -187,3 +187,42 @@ def _rollout(source: Any) -> Any:
     from tandem.generation.base import Rollout
 
     return Rollout(0, source.encode("1+1="), [5, 6], "", [-1.0, -1.0])
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_start_groups_overlaps_the_kinds_and_cleans_up_after_a_failure(parallel: bool) -> None:
+    """Both kinds start at once (a barrier that needs both), or one after the other; when one
+    fails, the one that started is shut down and the failure is raised."""
+    from threading import Barrier
+
+    from tandem.cluster.groups import LocalGroup
+    from tandem.cluster.runtime import start_groups
+
+    barrier = Barrier(2, timeout=5)
+    shut: list[str] = []
+    events: list[str] = []
+
+    class Tracked(LocalGroup):
+        def shutdown(self) -> None:
+            shut.append(self.kind)
+            super().shutdown()
+
+    def make(kind: str, fail: bool = False) -> LocalGroup:
+        events.append(f"start {kind}")
+        if parallel:
+            barrier.wait()  # returns only when the other kind is starting too
+        if fail:
+            raise ValueError(f"{kind} failed")
+        events.append(f"end {kind}")
+        return Tracked([object()], kind)
+
+    makers = {"trainer": lambda: make("trainer"), "gen": lambda: make("gen")}
+    started = start_groups(makers, parallel)
+    assert sorted(started) == ["gen", "trainer"] and shut == []
+    if not parallel:
+        assert events == ["start trainer", "end trainer", "start gen", "end gen"]
+    barrier.reset()
+    makers["gen"] = lambda: make("gen", fail=True)
+    with pytest.raises(ValueError, match="gen failed"):
+        start_groups(makers, parallel)
+    assert shut == ["trainer"]

@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -49,6 +50,31 @@ logger = logging.getLogger(__name__)
 
 GeneratorPhase = Literal["asleep", "weights", "awake"]
 """asleep: no device memory; weights: weights resident, no KV cache; awake: ready to generate."""
+
+
+def start_groups(makers: Mapping[str, Callable[[], Group]], parallel: bool) -> dict[str, Group]:
+    """Build each worker group (``makers``: kind -> constructor), all at once when ``parallel``.
+    If one fails, the groups that started are shut down and the first failure (in ``makers``'
+    order) is raised."""
+    if not parallel:
+        started: dict[str, Group] = {}
+        try:
+            for kind, make in makers.items():
+                started[kind] = make()
+        except BaseException:
+            for group in started.values():
+                group.shutdown()
+            raise
+        return started
+    with ThreadPoolExecutor(max_workers=len(makers)) as pool:
+        futures = {kind: pool.submit(make) for kind, make in makers.items()}
+    errors = [f.exception() for f in futures.values() if f.exception() is not None]
+    if errors:
+        for future in futures.values():
+            if future.exception() is None:
+                future.result().shutdown()
+        raise errors[0]  # type: ignore[misc]
+    return {kind: future.result() for kind, future in futures.items()}
 
 
 @dataclass
@@ -122,8 +148,9 @@ class Runtime:
         placement = make_placement(cluster)
         threads = str(actor_threads(cluster))
         env_vars = {"OMP_NUM_THREADS": threads}
-        try:
-            trainers = WorkerGroup(
+        uses_gpus = any(slot.num_gpus > 0 for slot in placement.trainer_bundles)
+        groups = {
+            "trainer": lambda: WorkerGroup(
                 TrainerWorker,
                 cluster.num_trainers,
                 kind="trainer",
@@ -138,22 +165,27 @@ class Runtime:
                 bundles=placement.trainer_bundles,
                 env_vars=env_vars,
                 env_mode=cluster.env_mode,
+            ),
+        }
+        if spec.with_generators:
+            groups["generator"] = lambda: WorkerGroup(
+                GeneratorWorker,
+                cluster.num_generators,
+                kind="generator",
+                kwargs=dict(generation=generation, model_path=str(spec.policy.model_path)),
+                bundles=placement.generator_bundles,
+                env_vars=env_vars,
+                env_mode=cluster.env_mode,
             )
-            generators = None
-            if spec.with_generators:
-                generators = WorkerGroup(
-                    GeneratorWorker,
-                    cluster.num_generators,
-                    kind="generator",
-                    kwargs=dict(generation=generation, model_path=str(spec.policy.model_path)),
-                    bundles=placement.generator_bundles,
-                    env_vars=env_vars,
-                    env_mode=cluster.env_mode,
-                )
+        # Both kinds start at once (their processes, imports and model loads overlap), except
+        # colocated on GPUs: vLLM sizes its KV cache from the memory it finds free at start.
+        parallel = not (cluster.placement == "colocated" and uses_gpus)
+        try:
+            started = start_groups(groups, parallel)
         except BaseException:
             placement.remove()
             raise
-        uses_gpus = any(slot.num_gpus > 0 for slot in placement.trainer_bundles)
+        trainers, generators = started["trainer"], started.get("generator")
         runtime = cls(
             trainers,
             generators,

@@ -65,20 +65,32 @@ class PromptSource:
 def make_prompt_source(
     config: DataConfig, model_path: Path, reward: RewardFn, seed: int, num_train: int = 20000
 ) -> PromptSource:
-    from transformers import AutoTokenizer
+    train, eval_items = load_prompt_items(config, seed, num_train)
+    return PromptSource(train, eval_items, load_tokenizer(model_path), reward, seed)
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+
+def load_prompt_items(
+    config: DataConfig, seed: int, num_train: int = 20000
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """The training and held-out prompts of ``config`` (the embedded task's, or a file's, read
+    and checked row by row)."""
     if config.task == "arithmetic":
         from tandem.data.arithmetic import ArithmeticTask
 
         task = ArithmeticTask(seed=seed)
-        train = task.train_prompts(num_train, random.Random(seed))
-        eval_items = task.eval_prompts(config.num_eval_prompts)
-    else:
-        assert config.train_path is not None  # checked by DataConfig
-        train = load_prompt_file(config.train_path, config)
-        eval_items = load_prompt_file(config.eval_path, config) if config.eval_path else train
-    return PromptSource(train, eval_items, tokenizer, reward, seed)
+        return task.train_prompts(num_train, random.Random(seed)), task.eval_prompts(
+            config.num_eval_prompts
+        )
+    assert config.train_path is not None  # checked by DataConfig
+    train = load_prompt_file(config.train_path, config)
+    return train, load_prompt_file(config.eval_path, config) if config.eval_path else train
+
+
+def load_tokenizer(model_path: Path) -> Any:
+    """The model's tokenizer (importing transformers takes seconds)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path))
 
 
 def load_prompt_file(path: Path, config: DataConfig) -> list[dict[str, str]]:
