@@ -140,7 +140,7 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
         config.generation,
         config.refit,
         with_reference=algo.kl_coef > 0,
-        total_steps=algo.num_steps,
+        total_steps=algo.num_steps * algo.ppo_epochs * algo.num_minibatches,  # optimizer steps
     )
     with runtime_and_prompts(config, spec) as (runtime, source):
         return run_loop(

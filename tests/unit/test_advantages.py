@@ -78,3 +78,48 @@ def test_token_advantages_broadcast_over_loss_mask() -> None:
     assert out.tolist() == [[0.0, 2.0, 2.0, 0.0], [0.0, 0.0, -1.0, -1.0]]
     with pytest.raises(ValueError, match="advantages must be"):
         token_advantages(torch.tensor([2.0, -1.0, 0.5]), loss_mask)
+
+
+def test_reinforce_pp_returns_by_hand() -> None:
+    """Rewards (1, 0); masks: row 0 trains tokens 1-3, row 1 tokens 2-3; kl per token 0.5
+    everywhere, kl_coef 0.2 -> token reward -0.1 on each trained token, the sequence reward on
+    the last. Returns to go: row 0 (1 - 0.3, 1 - 0.2, 1 - 0.1) = (0.7, 0.8, 0.9); row 1
+    (-0.2, -0.1)."""
+    from tandem.algorithms.advantages import reinforce_pp_returns
+
+    mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]], dtype=torch.float32)
+    kl = torch.full((2, 4), 0.5)
+    returns = reinforce_pp_returns(torch.tensor([1.0, 0.0]), mask, kl, kl_coef=0.2)
+    expected = torch.tensor([[0, 0.7, 0.8, 0.9], [0, 0, -0.2, -0.1]])
+    torch.testing.assert_close(returns, expected)
+    plain = reinforce_pp_returns(torch.tensor([1.0, 0.0]), mask)  # no KL: the reward everywhere
+    torch.testing.assert_close(plain, torch.tensor([[0, 1, 1, 1], [0, 0, 0, 0.0]]))
+
+
+def test_batch_normalise_over_trained_tokens_only() -> None:
+    from tandem.algorithms.advantages import batch_normalise
+
+    values = torch.tensor([[9.0, 1.0, 2.0], [9.0, 3.0, 9.0]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    # trained values 1, 2, 3: mean 2, unbiased std 1
+    out = batch_normalise(values, mask)
+    torch.testing.assert_close(
+        out, torch.tensor([[0.0, -1.0, 0.0], [0.0, 1.0, 0.0]]), atol=1e-6, rtol=0
+    )
+
+
+def test_reinforce_pp_keeps_equal_groups_and_baseline_centres_them() -> None:
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0])  # group 0 all equal
+    plain = compute_advantages(rewards, 2, "reinforce_pp")
+    torch.testing.assert_close(plain.advantages, rewards)  # raw rewards; shaped per token later
+    baseline = compute_advantages(rewards, 2, "reinforce_pp_baseline")
+    torch.testing.assert_close(baseline.advantages, torch.tensor([0.0, 0.0, -0.5, 0.5]))
+
+
+def test_overlong_penalty_is_linear_in_the_buffer() -> None:
+    from tandem.algorithms.advantages import overlong_penalty
+
+    lengths = torch.tensor([10, 12, 14, 16])  # max 16, buffer 4: 0 up to 12, then -> 1 at 16
+    torch.testing.assert_close(
+        overlong_penalty(lengths, 16, 4, 0.5), torch.tensor([0.0, 0.0, 0.25, 0.5])
+    )

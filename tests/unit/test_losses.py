@@ -17,6 +17,7 @@ from tandem.algorithms.losses import (
 from tandem.data.batch import TrainBatch
 
 LN2 = math.log(2.0)
+LN4 = math.log(4.0)
 
 
 def make_batch(loss_mask: list[list[float]], **per_token: list[list[float]] | None) -> TrainBatch:
@@ -187,17 +188,18 @@ def test_truncated_importance_weight() -> None:
         generator_logprobs=[[LN2, -math.log(3)]],
     )
     logprobs = torch.zeros(1, 2, requires_grad=True)
-    loss, metrics = ClippedPolicyLoss(PolicyLossConfig(importance_cap=2.0))(logprobs, batch, 2, 1)
+    tis = PolicyLossConfig(rollout_correction="token_tis", correction_high=2.0)
+    loss, metrics = ClippedPolicyLoss(tis)(logprobs, batch, 2, 1)
     loss.backward()
     assert loss.item() == pytest.approx(-1.25, abs=1e-6)
     assert metrics["importance_weight_mean"].item() == pytest.approx(1.25, abs=1e-6)
+    assert metrics["rollout_correction/truncated_frac"].item() == pytest.approx(0.5)
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.25, -1.0]]))
     # Off when disabled, and when the batch has no generator logprobs.
-    for cap, gen in [(None, batch.generator_logprobs), (2.0, None)]:
+    for mode, gen in [("none", batch.generator_logprobs), ("token_tis", None)]:
         batch.generator_logprobs = gen
-        loss, metrics = ClippedPolicyLoss(PolicyLossConfig(importance_cap=cap))(
-            logprobs, batch, 2, 1
-        )
+        config = PolicyLossConfig(rollout_correction=mode, correction_high=2.0)  # type: ignore[arg-type]
+        loss, metrics = ClippedPolicyLoss(config)(logprobs, batch, 2, 1)
         assert loss.item() == pytest.approx(-1.0)
         assert "importance_weight_mean" not in metrics
 
@@ -215,7 +217,7 @@ def test_entropy_metric_and_masked_garbage() -> None:
     )
     logprobs = torch.zeros(1, 3, requires_grad=True)
     entropy = torch.tensor([[9.0, 1.0, 2.0]])
-    config = PolicyLossConfig(kl_coef=0.1, importance_cap=2.0)
+    config = PolicyLossConfig(kl_coef=0.1, rollout_correction="token_mask")
     loss, metrics = ClippedPolicyLoss(config)(logprobs, batch, 2, 1, entropy=entropy)
     loss.backward()
     assert loss.item() == pytest.approx(-1.0)
@@ -243,7 +245,13 @@ def random_batch(seed: int) -> tuple[torch.Tensor, TrainBatch]:
     )
 
 
-FULL_CONFIG = dict(clip_high=0.28, dual_clip=3.0, kl_coef=0.05, importance_cap=1.5)
+FULL_CONFIG = dict(
+    clip_high=0.28,
+    dual_clip=3.0,
+    kl_coef=0.05,
+    rollout_correction="token_tis",
+    correction_high=1.5,
+)
 
 
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
@@ -296,7 +304,9 @@ def test_gradcheck_float64(aggregation: str) -> None:
         ("kl_coef", -1.0),
         ("kl_estimator", "k4"),
         ("aggregation", "batch"),
-        ("importance_cap", 0.0),
+        ("correction_low", 0.0),
+        ("correction_low", 1.5),
+        ("correction_high", 0.9),
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(field: str, value: object) -> None:
@@ -343,3 +353,70 @@ def test_logprob_mismatch_is_the_token_mean_gap_to_the_generator_over_the_whole_
     assert total == pytest.approx(0.8 / 3)
     no_generator = make_batch([[0, 1]], advantages=[[0, 1]])
     assert "logprob_mismatch" not in loss(torch.zeros(1, 2), no_generator, 1, 1)[1]
+
+
+# w = exp(old - generator) per token of one 4-token sequence: (0.25, 0.8, 1.5, 4); A = 1,
+# on-policy (ratio 1), so each token's loss is -weight and its gradient -weight / 4.
+W = [0.25, 0.8, 1.5, 4.0]
+GEO = math.exp(sum(math.log(w) for w in W) / 4)  # the sequence's geometric mean, 0.98...
+
+
+@pytest.mark.parametrize(
+    ("mode", "weights", "truncated", "masked"),
+    [
+        ("token_tis", [0.25, 0.8, 1.5, 2.0], 1, 0),
+        ("seq_tis", [GEO] * 4, 0, 0),
+        ("token_mask", [0.0, 0.8, 1.5, 0.0], 0, 2),
+        ("seq_mask", [GEO] * 4, 0, 0),
+        ("icepop", [0.0, 1.0, 1.0, 0.0], 0, 2),
+    ],
+)
+def test_rollout_correction_modes(
+    mode: str, weights: list[float], truncated: int, masked: int
+) -> None:
+    batch = make_batch(
+        [[1, 1, 1, 1]],
+        advantages=[[1, 1, 1, 1]],
+        old_logprobs=[[0, 0, 0, 0]],
+        generator_logprobs=[[-math.log(w) for w in W]],
+    )
+    logprobs = torch.zeros(1, 4, requires_grad=True)
+    config = PolicyLossConfig(rollout_correction=mode, correction_low=0.5, correction_high=2.0)  # type: ignore[arg-type]
+    loss, metrics = ClippedPolicyLoss(config)(logprobs, batch, 4, 1)
+    loss.backward()
+    assert loss.item() == pytest.approx(-sum(weights) / 4, abs=1e-6)
+    torch.testing.assert_close(logprobs.grad, -torch.tensor([weights]) / 4)
+    assert metrics["rollout_correction/truncated_frac"].item() == pytest.approx(truncated / 4)
+    assert metrics["rollout_correction/masked_frac"].item() == pytest.approx(masked / 4)
+
+
+def test_seq_mask_drops_a_sequence_outside_the_range() -> None:
+    # geometric mean of (4, 4) = 4 > 2: the whole sequence leaves the loss
+    batch = make_batch(
+        [[1, 1]], advantages=[[1, 1]], old_logprobs=[[0, 0]], generator_logprobs=[[-LN4, -LN4]]
+    )
+    logprobs = torch.zeros(1, 2, requires_grad=True)
+    config = PolicyLossConfig(rollout_correction="seq_mask", correction_high=2.0)
+    loss, metrics = ClippedPolicyLoss(config)(logprobs, batch, 2, 1)
+    loss.backward()
+    assert loss.item() == 0.0 and metrics["rollout_correction/masked_frac"].item() == 1.0
+    assert logprobs.grad is not None and not logprobs.grad.any()
+
+
+def test_gspo_sequence_ratio_and_its_clip() -> None:
+    """GSPO by hand: two sequences, ratios per token exp(0.2), exp(0.4) (seq 1, mean 0.3) and
+    exp(-0.1) (seq 2). Seq 1, A = 1, clip_high 0.2: s = exp(0.3) = 1.35 > 1.2 -> clipped, no
+    gradient, loss -1.2. Seq 2, A = -1: s = exp(-0.1) inside -> loss s, gradient of each token
+    d(s)/d(lp_t) = s / |y| = s (one token). Sequence aggregation: mean over the 2 sequences."""
+    batch = make_batch(
+        [[1, 1], [1, 0]], advantages=[[1, 1], [-1, 0]], old_logprobs=[[0, 0], [0, 0]]
+    )
+    logprobs = torch.tensor([[0.2, 0.4], [-0.1, 0.0]], requires_grad=True)
+    config = PolicyLossConfig(ratio_level="sequence", aggregation="sequence")
+    loss, metrics = ClippedPolicyLoss(config)(logprobs, batch, 3, 2)
+    loss.backward()
+    s2 = math.exp(-0.1)
+    assert loss.item() == pytest.approx((-1.2 + s2) / 2, abs=1e-6)
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 0.0], [s2 / 2, 0.0]]))
+    assert metrics["ratio_mean"].item() == pytest.approx((2 * math.exp(0.3) + s2) / 3)
+    assert metrics["clip_frac"].item() == pytest.approx(2 / 3)

@@ -13,13 +13,21 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.algorithms.advantages import compute_advantages, token_advantages
-from tandem.algorithms.losses import ClippedPolicyLoss, PolicyLossConfig
-from tandem.algorithms.protocols import RolloutRuntime
+from tandem.algorithms.advantages import (
+    BATCH_NORMALISED,
+    batch_normalise,
+    compute_advantages,
+    overlong_penalty,
+    reinforce_pp_returns,
+    token_advantages,
+)
+from tandem.algorithms.losses import KL_ESTIMATORS, ClippedPolicyLoss, PolicyLossConfig
+from tandem.algorithms.protocols import LossFn, RolloutRuntime
 from tandem.algorithms.rollouts import rollouts_to_batch, score_rollouts
 from tandem.config.models import GrpoConfig, SamplingConfig
+from tandem.data.batch import TrainBatch
 from tandem.data.prompts import PromptSource
-from tandem.generation.base import SamplingParams
+from tandem.generation.base import Rollout, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +44,14 @@ def policy_loss(config: GrpoConfig) -> ClippedPolicyLoss:
             clip_low=algo.clip_low,
             clip_high=algo.clip_high,
             dual_clip=algo.dual_clip,
-            kl_coef=algo.kl_coef,
+            # REINFORCE++ puts the KL into the token rewards, not into the loss
+            kl_coef=0.0 if algo.advantage == "reinforce_pp" else algo.kl_coef,
             kl_estimator=algo.kl_estimator,
             aggregation=algo.aggregation,
-            importance_cap=algo.importance_cap,
+            ratio_level="sequence" if algo.policy_loss == "gspo" else "token",
+            rollout_correction=algo.rollout_correction,
+            correction_low=algo.correction_low,
+            correction_high=algo.correction_high,
         )
     )
 
@@ -56,40 +68,33 @@ def grpo_step(
     With one optimizer step per batch the policy that generated the data is the one being
     trained, so the old logprobs are the training forward's own (the ratio is 1): no separate
     logprob pass; the generator/trainer mismatch comes from that same forward (the loss's
-    ``logprob_mismatch`` metric)."""
+    ``logprob_mismatch`` metric). Several updates per batch (``ppo_epochs``,
+    ``num_minibatches``) take the old logprobs from a separate pass first."""
     algo = config.algorithm
     timings: dict[str, float] = {}
     start = time.perf_counter()
-
-    base_seed = config.generation.sampling.seed
-    params = SamplingParams.from_config(
-        config.generation.sampling,
-        n=algo.num_generations,
-        # a fresh stream per step, and the same one for the same step after a resume
-        seed=None if base_seed is None else base_seed + step * 1_000_003,
-    )
-    prompt_ids = [source.encode(p["prompt"]) for p in prompts]
-    rollouts = runtime.generate(prompt_ids, params)
+    groups = _generate(runtime, config, source, prompts, step)
     timings["timing/generate_s"] = time.perf_counter() - start
-
-    scores = score_rollouts(source.reward, prompts, rollouts, source.decode)
-    rewards = torch.tensor(scores.rewards, dtype=torch.float32)
+    rollouts, rewards = groups.rollouts, torch.tensor(groups.rewards, dtype=torch.float32)
     adv = compute_advantages(rewards, algo.num_generations, algo.advantage)
     batch = rollouts_to_batch(rollouts, pad_token_id=source.pad_token_id)
     if algo.filter_zero_variance_groups and bool(adv.keep_mask.any()):
         keep = adv.keep_mask.nonzero().squeeze(-1)
-        batch, advantages = batch.select(keep), adv.advantages[keep]
+        batch, advantages, rewards = batch.select(keep), adv.advantages[keep], rewards[keep]
     else:
         advantages = adv.advantages
-    batch.advantages = token_advantages(advantages, batch.loss_mask)
 
     t0 = time.perf_counter()
     if algo.kl_coef > 0:
         batch.reference_logprobs = runtime.reference_logprobs(batch)
+    updates = algo.ppo_epochs * algo.num_minibatches
+    if updates > 1:
+        batch.old_logprobs = runtime.policy_logprobs(batch)
     timings["timing/logprobs_s"] = time.perf_counter() - t0
+    batch.advantages = _token_advantages(config, batch, advantages, rewards)
 
     t0 = time.perf_counter()
-    train_metrics = runtime.train(batch, policy_loss(config))
+    train_metrics = _update(runtime, batch, policy_loss(config), config, step)
     timings["timing/train_s"] = time.perf_counter() - t0
     mismatch = train_metrics["logprob_mismatch"]
     if mismatch > config.refit.logprob_mismatch_alarm:
@@ -112,18 +117,141 @@ def grpo_step(
         "train/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "train/response_len_mean": float(batch.loss_mask.sum(-1).float().mean()),
         "train/zero_variance_groups": adv.metrics["zero_variance_group_frac"],
+        **groups.metrics,
+        **{f"train/{k}": v for k, v in train_metrics.items() if k in _TRAIN_METRICS},
+        **{k: v for k, v in train_metrics.items() if k.startswith("rollout_correction/")},
         "train/kl": train_metrics.get("kl", 0.0),
         "train/clip_frac": train_metrics.get("clip_frac", 0.0),
         "train/entropy": train_metrics.get("entropy", 0.0),
-        "train/loss": train_metrics["loss"],
-        "train/grad_norm": train_metrics["grad_norm"],
-        "train/lr": train_metrics["lr"],
         "gen/logprob_mismatch": mismatch,
         "refit/gb_per_s": refit_stats.get("gb_per_s", 0.0),
         "throughput/tokens_per_s": num_tokens / timings["timing/step_s"],
         **timings,
     }
     return StepResult(metrics=metrics)
+
+
+_TRAIN_METRICS = ("loss", "grad_norm", "lr", "importance_weight_mean", "updates")
+
+
+@dataclass
+class Groups:
+    """Scored rollouts, ``num_generations`` consecutive ones per prompt."""
+
+    rollouts: list[Rollout]
+    rewards: list[float]
+    metrics: dict[str, float]
+
+
+def _generate(
+    runtime: RolloutRuntime,
+    config: GrpoConfig,
+    source: PromptSource,
+    prompts: list[dict[str, str]],
+    step: int,
+) -> Groups:
+    """Generate and score ``prompts``; with ``refill_rounds``, keep only groups of non-zero
+    reward variance and generate for fresh prompts until there are ``prompts_per_step`` of them
+    or the rounds run out (DAPO's dynamic sampling)."""
+    algo = config.algorithm
+    n = algo.num_generations
+    rollouts, rewards = _generate_round(runtime, config, source, prompts, step, 0)
+    if not (algo.filter_zero_variance_groups and algo.refill_rounds > 0):
+        return Groups(rollouts, rewards, {})
+    generated = len(prompts)
+    kept_rollouts: list[Rollout] = []
+    kept_rewards: list[float] = []
+    rounds = 0
+    while True:
+        for g in range(len(rewards) // n):
+            group = rewards[g * n : (g + 1) * n]
+            if max(group) != min(group) and len(kept_rewards) < algo.prompts_per_step * n:
+                kept_rollouts += rollouts[g * n : (g + 1) * n]
+                kept_rewards += group
+        missing = algo.prompts_per_step - len(kept_rewards) // n
+        if missing == 0 or rounds == algo.refill_rounds:
+            break
+        rounds += 1
+        more = source.refill_prompts(step, rounds, missing)
+        generated += len(more)
+        rollouts, rewards = _generate_round(runtime, config, source, more, step, rounds)
+    metrics = {
+        "train/refill_rounds": float(rounds),
+        "train/kept_group_frac": len(kept_rewards) / n / generated,
+    }
+    if not kept_rewards:  # nothing of variance in any round: train on the last round as it is
+        return Groups(rollouts, rewards, metrics)
+    return Groups(kept_rollouts, kept_rewards, metrics)
+
+
+def _generate_round(
+    runtime: RolloutRuntime,
+    config: GrpoConfig,
+    source: PromptSource,
+    prompts: list[dict[str, str]],
+    step: int,
+    round_index: int,
+) -> tuple[list[Rollout], list[float]]:
+    algo = config.algorithm
+    base_seed = config.generation.sampling.seed
+    params = SamplingParams.from_config(
+        config.generation.sampling,
+        n=algo.num_generations,
+        # a fresh stream per step and round, and the same one for the same step after a resume
+        seed=None if base_seed is None else base_seed + step * 1_000_003 + round_index * 7_919,
+    )
+    rollouts = runtime.generate([source.encode(p["prompt"]) for p in prompts], params)
+    rewards = score_rollouts(source.reward, prompts, rollouts, source.decode).rewards
+    if algo.overlong_buffer > 0:
+        lengths = torch.tensor([len(r.response_token_ids) for r in rollouts])
+        penalty = overlong_penalty(
+            lengths, params.max_tokens, algo.overlong_buffer, algo.overlong_penalty
+        )
+        rewards = [r - float(p) for r, p in zip(rewards, penalty, strict=True)]
+    return rollouts, rewards
+
+
+def _token_advantages(
+    config: GrpoConfig, batch: TrainBatch, advantages: torch.Tensor, rewards: torch.Tensor
+) -> torch.Tensor:
+    """Per-token advantages ``[B, T]`` of the estimator (REINFORCE++ shapes and normalises them
+    over the batch's tokens)."""
+    algo = config.algorithm
+    if algo.advantage == "reinforce_pp":
+        kl = None
+        if batch.reference_logprobs is not None and batch.generator_logprobs is not None:
+            log_r = batch.reference_logprobs - batch.generator_logprobs
+            kl = KL_ESTIMATORS[algo.kl_estimator](log_r) * batch.loss_mask
+        returns = reinforce_pp_returns(rewards, batch.loss_mask, kl, algo.kl_coef)
+        return batch_normalise(returns, batch.loss_mask)
+    tokens = token_advantages(advantages, batch.loss_mask)
+    if algo.advantage in BATCH_NORMALISED:
+        return batch_normalise(tokens, batch.loss_mask)
+    return tokens
+
+
+def _update(
+    runtime: RolloutRuntime, batch: TrainBatch, loss: LossFn, config: GrpoConfig, step: int
+) -> dict[str, float]:
+    """One optimizer step on ``batch``, or ``ppo_epochs`` passes of ``num_minibatches`` steps
+    over its shuffled rows; the metrics are the updates' means, the mismatch the old policy's."""
+    algo = config.algorithm
+    if algo.ppo_epochs * algo.num_minibatches == 1:
+        return {**runtime.train(batch, loss), "updates": 1.0}
+    assert batch.old_logprobs is not None and batch.generator_logprobs is not None
+    every: list[dict[str, float]] = []
+    order_rng = torch.Generator().manual_seed(algo.seed * 1_000_003 + step)
+    for _ in range(algo.ppo_epochs):
+        order = torch.randperm(batch.num_sequences, generator=order_rng)
+        for rows in order.tensor_split(algo.num_minibatches):
+            if rows.numel():
+                every.append(runtime.train(batch.select(rows), loss))
+    merged = {k: sum(m[k] for m in every) / len(every) for k in every[0]}
+    mask = batch.loss_mask
+    gap = (batch.old_logprobs - batch.generator_logprobs).abs() * mask
+    merged["logprob_mismatch"] = float(gap.sum() / mask.sum().clamp(min=1))
+    merged["updates"] = float(len(every))
+    return merged
 
 
 def evaluate(

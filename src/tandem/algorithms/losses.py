@@ -9,8 +9,8 @@ micro-batches, all data-parallel ranks). The loss is already divided by that glo
 summing it over micro-batches and ranks gives the full-batch loss and the full-batch gradient.
 Every metric is a detached scalar tensor normalised the same way, so metrics add up too
 (``clip_frac`` = clipped tokens / ``num_global_tokens``). Token metrics (``kl``, ``clip_frac``,
-``ratio_mean``, ``entropy``, ``importance_weight_mean``) are token means whatever the aggregation;
-``loss`` and ``pg_loss`` follow the configured aggregation.
+``ratio_mean``, ``entropy``, ``importance_weight_mean``, ``rollout_correction/*``) are token
+means whatever the aggregation; ``loss`` and ``pg_loss`` follow the configured aggregation.
 
 KL direction: the estimators estimate ``KL(pi || pi_ref)`` from tokens sampled by ``pi``, with
 ``log r = ref_logprobs - logprobs`` (r = pi_ref / pi, Schulman's "Approximating KL divergence"):
@@ -71,6 +71,8 @@ def sequence_aggregate(
     return per_sequence.sum() / _at_least_one(num_global_sequences)
 
 
+RolloutCorrection = Literal["none", "token_tis", "seq_tis", "token_mask", "seq_mask", "icepop"]
+
 Aggregator = Callable[[torch.Tensor, torch.Tensor, Count, Count], torch.Tensor]
 AGGREGATORS: dict[str, Aggregator] = {"token": token_aggregate, "sequence": sequence_aggregate}
 
@@ -99,10 +101,24 @@ class PolicyLossConfig:
     """Which per-token estimator of KL(pi || pi_ref); see the module docstring."""
     aggregation: Literal["token", "sequence"] = "token"
     """token: mean over all trained tokens; sequence: mean per sequence, then over sequences."""
-    importance_cap: float | None = None
-    """Truncated importance sampling against the generator: each token's policy-gradient loss is
-    weighted by ``min(exp(old_logprobs - generator_logprobs), cap)`` (detached). None disables;
-    also off when the batch has no ``generator_logprobs``. > 0."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """token: PPO's per-token ratio; sequence: GSPO's (Zheng et al. 2025) length-normalised
+    sequence ratio ``exp(mean_t(logprobs - old_logprobs))``, clipped per sequence; each token's
+    gradient is the sequence ratio times its own ``grad log pi`` (use with ``aggregation:
+    sequence``, as the paper does, and a small clip range, e.g. 3e-4 / 4e-4)."""
+    rollout_correction: RolloutCorrection = "none"
+    """How the loss corrects for the generator sampling from a slightly different distribution than
+    the trainer's old policy, from ``w = exp(old_logprobs - generator_logprobs)`` per token
+    (detached; off when the batch has no ``generator_logprobs``): ``token_tis`` weights each token
+    by ``min(w, correction_high)``; ``seq_tis`` each sequence by ``min(W, correction_high)`` with
+    ``W`` the geometric mean of its ``w`` (length-normalised, as GSPO's ratio); ``token_mask``
+    weights a token by ``w`` inside ``[correction_low, correction_high]`` and drops it outside;
+    ``seq_mask`` the same per sequence with ``W``; ``icepop`` drops the tokens outside the range
+    and leaves the others unweighted (IcePop's two-sided masking)."""
+    correction_low: float = 0.5
+    """Lower bound of the kept range of the masking modes. In (0, 1]."""
+    correction_high: float = 2.0
+    """Cap of the truncating modes, upper bound of the kept range of the masking modes. >= 1."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -112,11 +128,8 @@ class PolicyLossConfig:
             ("kl_coef", self.kl_coef >= 0, ">= 0"),
             ("kl_estimator", self.kl_estimator in KL_ESTIMATORS, f"one of {list(KL_ESTIMATORS)}"),
             ("aggregation", self.aggregation in AGGREGATORS, f"one of {list(AGGREGATORS)}"),
-            (
-                "importance_cap",
-                self.importance_cap is None or self.importance_cap > 0,
-                "None or > 0",
-            ),
+            ("correction_low", 0 < self.correction_low <= 1, "in (0, 1]"),
+            ("correction_high", self.correction_high >= 1, ">= 1"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -145,6 +158,36 @@ def clipped_token_loss(
         is_dual_clipped = (advantages < 0) & (loss > cap)
         loss = torch.where(is_dual_clipped, cap, loss)
     return loss, is_clipped, is_dual_clipped
+
+
+def _sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` mean of ``values`` over each row's masked tokens (0 for a row without any)."""
+    return (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+@dataclass(frozen=True)
+class RolloutWeight:
+    """A rollout correction per token: the weight, and where it truncated / masked (0/1)."""
+
+    value: torch.Tensor
+    truncated: torch.Tensor
+    masked: torch.Tensor
+
+
+def rollout_weight(
+    log_w: torch.Tensor, mask: torch.Tensor, mode: RolloutCorrection, low: float, high: float
+) -> RolloutWeight:
+    """The weight of each token for ``mode`` from ``log_w = old - generator`` ``[B, T]`` (0 off
+    the mask). Sequence modes use the geometric mean of the sequence's token ratios."""
+    if mode in ("seq_tis", "seq_mask"):
+        log_w = _sequence_mean(log_w, mask)[:, None].expand_as(log_w)
+    w = torch.exp(log_w) * mask
+    outside = ((w < low) | (w > high)) & mask.bool()
+    none = torch.zeros_like(w)
+    if mode in ("token_tis", "seq_tis"):
+        return RolloutWeight(w.clamp(max=high), (w > high).to(w.dtype), none)
+    kept = torch.where(outside, 0.0, w if mode != "icepop" else mask)
+    return RolloutWeight(kept, none, outside.to(w.dtype))
 
 
 class ClippedPolicyLoss:
@@ -183,7 +226,12 @@ class ClippedPolicyLoss:
         old = logprobs.detach() if old is None else old.to(logprobs.dtype)
         # Masked entries (prompt, padding) may hold anything: zero the log-ratio there so exp()
         # cannot turn garbage into inf * 0 = nan.
-        ratio = torch.exp(torch.where(where, logprobs - old, 0.0))
+        log_ratio = torch.where(where, logprobs - old, 0.0)
+        if cfg.ratio_level == "sequence":  # GSPO: the sequence's value, each token's gradient
+            sequence = _sequence_mean(log_ratio.detach(), mask)[:, None]
+            log_ratio = sequence + logprobs - logprobs.detach()
+            log_ratio = torch.where(where, log_ratio, 0.0)
+        ratio = torch.exp(log_ratio)
         advantages = micro_batch.advantages.to(logprobs.dtype)
         pg_token, is_clipped, is_dual_clipped = clipped_token_loss(
             ratio, advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip
@@ -195,10 +243,12 @@ class ClippedPolicyLoss:
         if cfg.dual_clip is not None:
             metrics["dual_clip_frac"] = per_token_mean(is_dual_clipped.to(mask.dtype))
 
-        weight = self._importance_weight(old, micro_batch.generator_logprobs, where)
+        weight = self._rollout_weight(old, micro_batch.generator_logprobs, mask)
         if weight is not None:
-            pg_token = pg_token * weight
-            metrics["importance_weight_mean"] = per_token_mean(weight)
+            pg_token = pg_token * weight.value
+            metrics["importance_weight_mean"] = per_token_mean(weight.value)
+            metrics["rollout_correction/truncated_frac"] = per_token_mean(weight.truncated)
+            metrics["rollout_correction/masked_frac"] = per_token_mean(weight.masked)
         total_token = pg_token
 
         kl_token = self._kl(logprobs, micro_batch.reference_logprobs, where)
@@ -221,17 +271,20 @@ class ClippedPolicyLoss:
         metrics["loss"] = loss.detach()
         return loss, metrics
 
-    def _importance_weight(
-        self, old: torch.Tensor, generator_logprobs: torch.Tensor | None, where: torch.Tensor
-    ) -> torch.Tensor | None:
-        """``min(exp(old - generator), cap)`` per token (no gradient: neither side carries one);
-        corrects for the generator sampling from a slightly different distribution than the
-        trainer's old policy."""
-        cap = self.config.importance_cap
-        if cap is None or generator_logprobs is None:
+    def _rollout_weight(
+        self, old: torch.Tensor, generator_logprobs: torch.Tensor | None, mask: torch.Tensor
+    ) -> RolloutWeight | None:
+        """The per-token weight of ``rollout_correction`` (see ``PolicyLossConfig``), or None."""
+        mode = self.config.rollout_correction
+        if mode == "none" or generator_logprobs is None:
             return None
-        log_w = torch.where(where, old - generator_logprobs.to(old.dtype), 0.0)
-        return torch.exp(log_w).clamp(max=cap)
+        return rollout_weight(
+            torch.where(mask.bool(), old - generator_logprobs.to(old.dtype), 0.0),
+            mask,
+            mode,
+            self.config.correction_low,
+            self.config.correction_high,
+        )
 
     def _kl(
         self, logprobs: torch.Tensor, reference_logprobs: torch.Tensor | None, where: torch.Tensor

@@ -170,24 +170,54 @@ class AlgorithmConfig(Section):
     """Prompts sampled per step."""
     num_generations: int = Field(8, ge=1)
     """Responses per prompt (the group of GRPO)."""
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
-    """Advantage estimator: group mean/std (grpo), mean-only (dr_grpo), leave-one-out (rloo)."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    """Advantage estimator: group mean/std (grpo), mean-only (dr_grpo), leave-one-out (rloo),
+    REINFORCE++ (reinforce_pp: the KL to the reference is a token-level reward, returns
+    normalised over the batch's tokens) and REINFORCE++-baseline (group mean subtracted, then
+    normalised over the batch's tokens); docs/algorithms.md."""
     filter_zero_variance_groups: bool = False
     """Drop groups whose rewards are all equal (DAPO dynamic sampling)."""
-    clip_low: float = Field(0.2, ge=0)
+    refill_rounds: int = Field(0, ge=0)
+    """With filter_zero_variance_groups: generate for up to this many more rounds of fresh
+    prompts until the batch holds prompts_per_step groups of non-zero variance (DAPO's dynamic
+    sampling with refill). 0 trains on the groups that are left."""
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    """ppo: the per-token clipped ratio; gspo: GSPO's length-normalised sequence ratio, clipped
+    per sequence (use aggregation: sequence and a small clip range, e.g. 3e-4 / 4e-4)."""
+    clip_low: float = Field(0.2, ge=0, lt=1)
     """PPO clip range below 1."""
     clip_high: float = Field(0.2, ge=0)
     """PPO clip range above 1 (clip-higher: e.g. 0.28)."""
     dual_clip: float | None = Field(None, gt=1)
     """Dual-clip constant c > 1 for negative advantages; None disables."""
     kl_coef: float = Field(0.0, ge=0)
-    """KL penalty to the frozen reference policy; 0 disables (and no reference is kept)."""
+    """KL penalty to the frozen reference policy; 0 disables (and no reference is kept). With
+    advantage: reinforce_pp it shapes the token rewards instead of entering the loss."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator."""
     aggregation: Literal["token", "sequence"] = "token"
     """Loss aggregation: mean over all tokens, or mean per sequence then over sequences."""
-    importance_cap: float | None = Field(None, gt=0)
-    """Truncated importance weight cap against the generator's logprobs; None disables."""
+    rollout_correction: Literal[
+        "none", "token_tis", "seq_tis", "token_mask", "seq_mask", "icepop"
+    ] = "none"
+    """Correction for the generator/trainer mismatch from w = exp(old - generator logprobs):
+    truncated IS per token or sequence (token_tis, seq_tis: weight min(w, correction_high)),
+    masked IS (token_mask, seq_mask: weight w inside [correction_low, correction_high], dropped
+    outside), icepop (dropped outside, unweighted inside). Sequences use the geometric mean."""
+    correction_low: float = Field(0.5, gt=0, le=1)
+    """Lower bound of the kept range of the masking corrections."""
+    correction_high: float = Field(2.0, ge=1)
+    """Truncation cap / upper bound of the kept range of the rollout correction."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each batch. More than one update per batch (ppo_epochs x num_minibatches > 1)
+    takes the old logprobs from a separate forward before the first update."""
+    num_minibatches: int = Field(1, ge=1)
+    """Optimizer steps per pass over the batch (its rows shuffled and split evenly)."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO's soft overlong punishment: a response longer than max_tokens - overlong_buffer loses
+    up to overlong_penalty, linearly, reaching it at max_tokens. 0 disables."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """The reward a response of max_tokens tokens loses (with overlong_buffer > 0)."""
     eval_every: int = Field(5, ge=0)
     """Evaluate held-out accuracy every K steps (and at the end); 0 disables."""
     seed: int = 0
@@ -254,6 +284,16 @@ class GrpoConfig(Section):
     data: DataConfig = DataConfig()
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self) -> GrpoConfig:
+        max_tokens = self.generation.sampling.max_tokens
+        if self.algorithm.overlong_buffer >= max_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer={self.algorithm.overlong_buffer} must be below "
+                f"generation.sampling.max_tokens={max_tokens}"
+            )
+        return self
 
 
 class SftAlgorithmConfig(Section):

@@ -58,6 +58,13 @@ class PromptSource:
             out.append(self.train[int(order[offset])])
         return out
 
+    def refill_prompts(self, step: int, round_index: int, count: int) -> list[dict[str, str]]:
+        """``count`` more prompts for step ``step``'s refill round ``round_index`` (dynamic
+        sampling): a seeded draw of its own, the same after a resume."""
+        rng = np.random.default_rng([self.seed, step, round_index, 1])
+        picks = rng.choice(len(self.train), size=count, replace=count > len(self.train))
+        return [self.train[int(i)] for i in picks]
+
     def eval_prompts(self, count: int) -> list[dict[str, str]]:
         return self.eval_items[:count]
 
