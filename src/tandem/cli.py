@@ -1,4 +1,4 @@
-"""The ``tandem`` command: ``tandem grpo|sft|envs|version``.
+"""The ``tandem`` command: ``tandem grpo|sft|dpo|envs|version``.
 
 User errors (a bad recipe, a typo'd key, a malformed data row) print one clear message and exit
 with status 2, without a traceback; anything else is a bug and keeps its traceback.
@@ -48,6 +48,15 @@ def _run_sft(args: argparse.Namespace) -> None:
     run_sft(config)
 
 
+def _run_dpo(args: argparse.Namespace) -> None:
+    from tandem.config import DpoConfig, load_config
+
+    config = load_config(DpoConfig, args.config, args.overrides)
+    from tandem.driver import run_dpo
+
+    run_dpo(config, resume=args.resume)
+
+
 def _run_envs(args: argparse.Namespace) -> None:
     from tandem.cluster import envs
 
@@ -76,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     sft = sub.add_parser("sft", help="supervised fine-tuning on prompt/response data")
     _add_run_arguments(sft, "sft_arithmetic")
     sft.set_defaults(func=_run_sft)
+
+    dpo = sub.add_parser("dpo", help="DPO / IPO on preference pairs (prompt, chosen, rejected)")
+    _add_run_arguments(dpo, "dpo_arithmetic")
+    dpo.add_argument("--resume", action="store_true", help="continue the run's latest checkpoint")
+    dpo.set_defaults(func=_run_dpo)
 
     env = sub.add_parser("envs", help="list, build or clean the per-actor Python environments")
     env.add_argument("action", choices=["list", "build", "clean"])

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tandem.config import GrpoConfig, SftConfig, save_resolved
+from tandem.config import DpoConfig, GrpoConfig, SftConfig, save_resolved
 from tandem.config.models import CheckpointConfig, LoggingConfig
 from tandem.files import atomic_dir
 from tandem.logging.metrics import MetricsLogger, read_metrics
@@ -95,7 +95,7 @@ def _truncate_metrics(run_dir: Path, after_step: int) -> None:
 
 
 def run_loop(
-    config: GrpoConfig | SftConfig,
+    config: GrpoConfig | SftConfig | DpoConfig,
     kind: str,
     runtime: Any,
     num_steps: int,
@@ -214,4 +214,60 @@ def run_sft(config: SftConfig, resume: bool = False) -> list[dict[str, Any]]:
         )
         if config.output_dir is not None:
             runtime.export_hf(str(config.output_dir.resolve()))
+    return records
+
+
+def run_dpo(config: DpoConfig, resume: bool = False) -> list[dict[str, Any]]:
+    """DPO / IPO on preference pairs against a frozen reference (the starting policy). Each
+    evaluation scores the held-out pairs and, on the arithmetic task, refits a generator and
+    measures greedy accuracy on the held-out prompts."""
+    from tandem.algorithms.dpo import dpo_step, score_pairs, summary
+    from tandem.algorithms.grpo import evaluate
+    from tandem.cluster.runtime import Runtime, RuntimeSpec
+    from tandem.config.models import RefitConfig
+    from tandem.data.preferences import load_pairs
+    from tandem.data.prompts import PromptSource, load_tokenizer
+    from tandem.rewards import load_reward
+
+    algo, data = config.algorithm, config.data
+    train, eval_pairs, eval_prompts = load_pairs(data, algo.seed)
+    spec = RuntimeSpec(
+        config.cluster,
+        config.policy,
+        config.generation,
+        RefitConfig(),
+        with_reference=True,
+        with_generators=bool(eval_prompts),
+        total_steps=algo.num_steps,
+    )
+
+    def eval_fn() -> dict[str, float]:
+        metrics = {}
+        if eval_pairs:
+            _, stats = score_pairs(runtime, pairs, eval_pairs, algo.beta, algo.loss)
+            metrics.update(summary(stats, algo.beta, "eval"))
+        if eval_prompts:
+            runtime.refit()
+            sampling = config.generation.sampling
+            metrics.update(evaluate(runtime, prompts, len(eval_prompts), sampling))
+        return metrics
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        tokenizer = pool.submit(load_tokenizer, config.policy.model_path)
+        with Runtime.start(spec) as runtime:
+            exact_match = load_reward("exact_match")
+            pairs = PromptSource(train, eval_pairs, tokenizer.result(), exact_match, algo.seed)
+            prompts = PromptSource(train, eval_prompts, pairs.tokenizer, exact_match, algo.seed)
+            records = run_loop(
+                config,
+                "dpo",
+                runtime,
+                algo.num_steps,
+                algo.eval_every,
+                lambda step: dpo_step(runtime, pairs, step, algo.batch_size, algo.beta, algo.loss),
+                eval_fn,
+                resume,
+            )
+            if config.output_dir is not None:
+                runtime.export_hf(str(config.output_dir.resolve()))
     return records

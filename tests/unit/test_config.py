@@ -5,13 +5,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tandem.config import ConfigError, GrpoConfig, SftConfig, load_config, save_resolved
+from tandem.config import (
+    ConfigError,
+    DpoConfig,
+    GrpoConfig,
+    SftConfig,
+    load_config,
+    save_resolved,
+)
 from tandem.config.load import RECIPES_DIR
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES_DIR.glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_shipped_recipe_validates(recipe: Path) -> None:
-    model = SftConfig if recipe.stem.startswith("sft") else GrpoConfig
+    kinds = {"sft": SftConfig, "dpo": DpoConfig, "ipo": DpoConfig}
+    model = kinds.get(recipe.stem.split("_")[0], GrpoConfig)
     config = load_config(model, recipe)
     assert config.policy.model_path.exists()
 

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from tandem.algorithms.losses import nll_loss
 from tandem.algorithms.protocols import RolloutRuntime
-from tandem.data.batch import TrainBatch
+from tandem.data.batch import TrainBatch, right_padded
 from tandem.data.prompts import PromptSource
 
 
@@ -20,16 +18,7 @@ def sft_batch(source: PromptSource, items: list[dict[str, str]]) -> TrainBatch:
         prompt = source.encode(item["prompt"])
         response = source.encode(item["answer"]) + ([eos] if eos is not None else [])
         rows.append((prompt, response))
-    width = max(len(p) + len(r) for p, r in rows)
-    input_ids = torch.full((len(rows), width), source.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
-    for row, (prompt, response) in enumerate(rows):
-        end = len(prompt) + len(response)
-        input_ids[row, :end] = torch.tensor(prompt + response)
-        attention_mask[row, :end] = 1
-        loss_mask[row, len(prompt) : end] = 1.0
-    return TrainBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
+    return right_padded(rows, source.pad_token_id)
 
 
 def sft_step(

@@ -64,3 +64,18 @@ class TrainBatch:
             for f in fields(self)
         }
         return replace(self, **values)
+
+
+def right_padded(rows: list[tuple[list[int], list[int]]], pad_token_id: int) -> TrainBatch:
+    """A batch of ``(prompt ids, response ids)`` rows, each prompt followed by its response and
+    right-padded; the loss covers the responses."""
+    width = max(len(p) + len(r) for p, r in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    for row, (prompt, response) in enumerate(rows):
+        end = len(prompt) + len(response)
+        input_ids[row, :end] = torch.tensor(prompt + response)
+        attention_mask[row, :end] = 1
+        loss_mask[row, len(prompt) : end] = 1.0
+    return TrainBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
