@@ -155,6 +155,10 @@ def test_preference_files_jsonl_and_parquet(tmp_path: Path) -> None:
     parquet = tmp_path / "pairs.parquet"
     datasets.Dataset.from_list(rows).to_parquet(str(parquet))
     assert load_preference_file(parquet, config) == expected
+    bad = tmp_path / "bad.parquet"
+    datasets.Dataset.from_list([rows[0], {**rows[1], "bad": ""}]).to_parquet(str(bad))
+    with pytest.raises(ValueError, match=r"bad\.parquet: row 2: 'bad' must be a non-empty string"):
+        load_preference_file(bad, config)
 
 
 @pytest.mark.parametrize(
@@ -171,7 +175,7 @@ def test_preference_files_jsonl_and_parquet(tmp_path: Path) -> None:
         (
             '{"prompt": "a", "chosen": "b", "rejected": "c"}\n'
             '{"prompt": "a", "chosen": "", "rejected": "c"}\n',
-            r"pairs\.jsonl: line 2: 'chosen' must be a non-empty string",
+            r"pairs\.jsonl:2: 'chosen' must be a non-empty string",
         ),
     ],
 )

@@ -11,7 +11,7 @@ from typing import Any
 
 from tandem.config.models import PreferenceDataConfig
 from tandem.data.batch import TrainBatch, right_padded
-from tandem.data.prompts import _check_jsonl
+from tandem.data.prompts import check_jsonl
 
 Pair = dict[str, str]
 """``{"prompt": ..., "chosen": ..., "rejected": ...}``."""
@@ -46,21 +46,19 @@ def load_preference_file(path: Path, config: PreferenceDataConfig) -> list[Pair]
         raise ValueError(f"preference file not found: {path}")
     keys = (config.prompt_key, config.chosen_key, config.rejected_key)
     if path.suffix == ".jsonl":
-        _check_jsonl(path, keys)
+        hint = "set data.prompt_key / chosen_key / rejected_key to the file's column names"
+        check_jsonl(path, keys, hint, strings=True)
     import datasets
 
     kind = "parquet" if path.suffix == ".parquet" else "json"
     rows = datasets.load_dataset(kind, data_files=str(path), split="train")
-    where = "line" if path.suffix == ".jsonl" else "row"
     pairs = []
     for index, row in enumerate(rows):
         values = [row.get(key) for key in keys]
         for key, value in zip(keys, values, strict=True):
             if not isinstance(value, str) or not value:
                 raise ValueError(
-                    f"{path}: {where} {index + 1}: {key!r} must be a non-empty string "
-                    f"(got {value!r}); set data.prompt_key / chosen_key / rejected_key to the "
-                    "file's column names"
+                    f"{path}: row {index + 1}: {key!r} must be a non-empty string (got {value!r})"
                 )
         pairs.append(dict(zip(("prompt", "chosen", "rejected"), values, strict=True)))
     if not pairs:

@@ -106,7 +106,7 @@ def load_prompt_file(path: Path, config: DataConfig) -> list[dict[str, str]]:
     if not path.is_file():
         raise ValueError(f"data file not found: {path}")
     if path.suffix == ".jsonl":
-        _check_jsonl(path, (config.prompt_key, config.answer_key))
+        check_jsonl(path, (config.prompt_key, config.answer_key))
     import datasets
 
     kind = "parquet" if path.suffix == ".parquet" else "json"
@@ -126,7 +126,15 @@ def load_prompt_file(path: Path, config: DataConfig) -> list[dict[str, str]]:
     return items
 
 
-def _check_jsonl(path: Path, required: tuple[str, ...]) -> None:
+def check_jsonl(
+    path: Path,
+    required: tuple[str, ...],
+    key_hint: str = "set data.prompt_key / data.answer_key to the file's column names",
+    strings: bool = False,
+) -> None:
+    """Every non-empty line of ``path`` is a JSON object with the ``required`` keys (with
+    ``strings``: each a non-empty string); the first that is not stops the run naming
+    ``path:line``."""
     with path.open() as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -139,7 +147,10 @@ def _check_jsonl(path: Path, required: tuple[str, ...]) -> None:
                 raise ValueError(f"{path}:{line_number}: expected a JSON object per line")
             missing = [key for key in required if key not in row]
             if missing:
-                raise ValueError(
-                    f"{path}:{line_number}: missing key(s) {missing} (set data.prompt_key / "
-                    "data.answer_key to the file's column names)"
-                )
+                raise ValueError(f"{path}:{line_number}: missing key(s) {missing} ({key_hint})")
+            for key in required if strings else ():
+                if not isinstance(row[key], str) or not row[key]:
+                    raise ValueError(
+                        f"{path}:{line_number}: {key!r} must be a non-empty string "
+                        f"(got {row[key]!r})"
+                    )
