@@ -130,6 +130,7 @@ def run_loop(
 
 
 def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
+    from tandem.algorithms.async_grpo import RolloutPipeline
     from tandem.algorithms.grpo import evaluate, grpo_step
     from tandem.cluster.runtime import RuntimeSpec
 
@@ -143,26 +144,25 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
         total_steps=algo.num_steps * algo.ppo_epochs * algo.num_minibatches,  # optimizer steps
     )
     with runtime_and_prompts(config, spec) as (runtime, source):
+
+        def step_fn(step: int) -> dict[str, float]:
+            if pipeline is not None:
+                metrics = pipeline.step(step)
+            else:
+                prompts = source.train_prompts(step - 1, algo.prompts_per_step)
+                metrics = grpo_step(runtime, config, prompts, step, source).metrics
+            # what the memory phases cost (colocated GPUs), the generators' idle time
+            return {**metrics, **runtime.take_metrics()}
+
+        def eval_fn() -> dict[str, float]:
+            if pipeline is not None:
+                pipeline.sync_weights()  # evaluate the policy just trained
+            sampling = config.generation.sampling
+            return evaluate(runtime, source, config.data.num_eval_prompts, sampling)
+
+        pipeline = RolloutPipeline(runtime, config, source) if algo.max_staleness > 0 else None
         return run_loop(
-            config,
-            "grpo",
-            runtime,
-            algo.num_steps,
-            algo.eval_every,
-            lambda step: {
-                **grpo_step(
-                    runtime,
-                    config,
-                    source.train_prompts(step - 1, algo.prompts_per_step),
-                    step,
-                    source,
-                ).metrics,
-                **runtime.take_metrics(),  # what the memory phases cost (colocated GPUs)
-            },
-            lambda: evaluate(
-                runtime, source, config.data.num_eval_prompts, config.generation.sampling
-            ),
-            resume,
+            config, "grpo", runtime, algo.num_steps, algo.eval_every, step_fn, eval_fn, resume
         )
 
 

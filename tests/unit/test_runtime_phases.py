@@ -57,9 +57,9 @@ class RecordingGenerator(GeneratorWorker):
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.log.append(f"generator wake {tags}")
 
-    def generate(self, prompt_token_ids: list[list[int]], params: Any) -> list[Any]:
+    def generate_timed(self, prompt_token_ids: list[list[int]], params: Any) -> Any:
         self.log.append("generate")
-        return super().generate(prompt_token_ids, params)
+        return super().generate_timed(prompt_token_ids, params)
 
 
 def _config(tmp_path: Path, *overrides: str) -> GrpoConfig:

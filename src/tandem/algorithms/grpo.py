@@ -70,11 +70,30 @@ def grpo_step(
     logprob pass; the generator/trainer mismatch comes from that same forward (the loss's
     ``logprob_mismatch`` metric). Several updates per batch (``ppo_epochs``,
     ``num_minibatches``) take the old logprobs from a separate pass first."""
-    algo = config.algorithm
-    timings: dict[str, float] = {}
     start = time.perf_counter()
     groups = _generate(runtime, config, source, prompts, step)
-    timings["timing/generate_s"] = time.perf_counter() - start
+    timings = {"timing/generate_s": time.perf_counter() - start}
+    metrics = train_on_groups(runtime, config, groups, step, source, timings)
+    t0 = time.perf_counter()
+    refit_stats = runtime.refit()
+    timings["timing/refit_s"] = time.perf_counter() - t0
+    timings["timing/step_s"] = time.perf_counter() - start
+    metrics["refit/gb_per_s"] = refit_stats.get("gb_per_s", 0.0)
+    metrics["throughput/tokens_per_s"] = metrics.pop("num_tokens") / timings["timing/step_s"]
+    return StepResult(metrics={**metrics, **timings})
+
+
+def train_on_groups(
+    runtime: RolloutRuntime,
+    config: GrpoConfig,
+    groups: Groups,
+    step: int,
+    source: PromptSource,
+    timings: dict[str, float],
+) -> dict[str, float]:
+    """Advantages, logprob passes and the update(s) of step ``step`` on scored ``groups``: the
+    step's metrics (``num_tokens``: the batch's tokens); its phases' seconds go to ``timings``."""
+    algo = config.algorithm
     rollouts, rewards = groups.rollouts, torch.tensor(groups.rewards, dtype=torch.float32)
     adv = compute_advantages(rewards, algo.num_generations, algo.advantage)
     batch = rollouts_to_batch(rollouts, pad_token_id=source.pad_token_id)
@@ -106,13 +125,7 @@ def grpo_step(
             config.refit.logprob_mismatch_alarm,
         )
 
-    t0 = time.perf_counter()
-    refit_stats = runtime.refit()
-    timings["timing/refit_s"] = time.perf_counter() - t0
-    timings["timing/step_s"] = time.perf_counter() - start
-
-    num_tokens = int(batch.attention_mask.sum())
-    metrics = {
+    return {
         "train/reward_mean": float(rewards.mean()),
         "train/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "train/response_len_mean": float(batch.loss_mask.sum(-1).float().mean()),
@@ -124,11 +137,8 @@ def grpo_step(
         "train/clip_frac": train_metrics.get("clip_frac", 0.0),
         "train/entropy": train_metrics.get("entropy", 0.0),
         "gen/logprob_mismatch": mismatch,
-        "refit/gb_per_s": refit_stats.get("gb_per_s", 0.0),
-        "throughput/tokens_per_s": num_tokens / timings["timing/step_s"],
-        **timings,
+        "num_tokens": float(batch.attention_mask.sum()),
     }
-    return StepResult(metrics=metrics)
 
 
 _TRAIN_METRICS = ("loss", "grad_norm", "lr", "importance_weight_mean", "updates")
@@ -192,15 +202,31 @@ def _generate_round(
     step: int,
     round_index: int,
 ) -> tuple[list[Rollout], list[float]]:
-    algo = config.algorithm
+    params = rollout_params(config, step, round_index)
+    rollouts = runtime.generate([source.encode(p["prompt"]) for p in prompts], params)
+    return rollouts, score(config, source, prompts, rollouts, params)
+
+
+def rollout_params(config: GrpoConfig, step: int, round_index: int = 0) -> SamplingParams:
+    """Sampling of step ``step``'s rollouts: a fresh stream per step and round, and the same one
+    for the same step after a resume."""
     base_seed = config.generation.sampling.seed
-    params = SamplingParams.from_config(
+    return SamplingParams.from_config(
         config.generation.sampling,
-        n=algo.num_generations,
-        # a fresh stream per step and round, and the same one for the same step after a resume
+        n=config.algorithm.num_generations,
         seed=None if base_seed is None else base_seed + step * 1_000_003 + round_index * 7_919,
     )
-    rollouts = runtime.generate([source.encode(p["prompt"]) for p in prompts], params)
+
+
+def score(
+    config: GrpoConfig,
+    source: PromptSource,
+    prompts: list[dict[str, str]],
+    rollouts: list[Rollout],
+    params: SamplingParams,
+) -> list[float]:
+    """Each rollout's reward, less DAPO's overlong penalty when configured."""
+    algo = config.algorithm
     rewards = score_rollouts(source.reward, prompts, rollouts, source.decode).rewards
     if algo.overlong_buffer > 0:
         lengths = torch.tensor([len(r.response_token_ids) for r in rollouts])
@@ -208,7 +234,7 @@ def _generate_round(
             lengths, params.max_tokens, algo.overlong_buffer, algo.overlong_penalty
         )
         rewards = [r - float(p) for r, p in zip(rewards, penalty, strict=True)]
-    return rollouts, rewards
+    return rewards
 
 
 def _token_advantages(

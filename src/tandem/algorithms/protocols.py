@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from tandem.cluster.runtime import PendingGeneration
     from tandem.data.batch import TrainBatch
     from tandem.generation.base import Rollout, SamplingParams
 
@@ -61,4 +62,20 @@ class RolloutRuntime(Protocol):
 
     def refit(self) -> dict[str, float]:
         """The trainer's weights into every generator; the transfer's figures."""
+        ...
+
+
+class PipelinedRuntime(RolloutRuntime, Protocol):
+    """A runtime whose generators can work while the trainers train (split placement): async
+    GRPO submits a generation, trains, and collects the rollouts later. Calls on the generators
+    run in the order they were made, so a refit lands between two generations."""
+
+    def submit_generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams
+    ) -> PendingGeneration:
+        """Start generating; returns at once."""
+        ...
+
+    def collect(self, pending: PendingGeneration) -> list[Rollout]:
+        """The rollouts of ``submit_generate`` in prompt order (waits for them)."""
         ...

@@ -133,6 +133,9 @@ class GeneratorWorker:
 
     def __init__(self, generation: GenerationConfig, model_path: str, rank: int = 0):
         self.first_receiver_rank = 1 + rank * generation.tensor_parallel_size
+        self._last_end: float | None = None
+        """When this generator's last generation or refit ended (None before the first)."""
+        self._idle_s = 0.0
         from tandem.generation import make_generator
 
         self.rank = rank
@@ -142,10 +145,30 @@ class GeneratorWorker:
         )
 
     def generate(self, prompt_token_ids: list[list[int]], params: Any) -> list[Any]:
-        return self.generator.generate(prompt_token_ids, params)
+        return self.generate_timed(prompt_token_ids, params)[0]
+
+    def generate_timed(
+        self, prompt_token_ids: list[list[int]], params: Any
+    ) -> tuple[list[Any], float]:
+        """The rollouts, and the seconds this generator sat idle (neither generating nor
+        receiving weights) since the previous ``generate_timed`` returned."""
+        self._begin_work()
+        idle, self._idle_s = self._idle_s, 0.0
+        try:
+            return self.generator.generate(prompt_token_ids, params), idle
+        finally:
+            self._last_end = time.perf_counter()
 
     def receive_weights(self, spec: Any) -> None:
-        self.generator.receive_weights(spec, first_rank=self.first_receiver_rank)
+        self._begin_work()  # a refit is work; its idle gap is reported with the next generation
+        try:
+            self.generator.receive_weights(spec, first_rank=self.first_receiver_rank)
+        finally:
+            self._last_end = time.perf_counter()
+
+    def _begin_work(self) -> None:
+        if self._last_end is not None:
+            self._idle_s += time.perf_counter() - self._last_end
 
     def sleep(self) -> None:
         self.generator.sleep()

@@ -23,8 +23,9 @@ class WorkerError(RuntimeError):
 
 class Group(Protocol):
     """N workers of one kind; ``run*`` call a method on every rank (``per_rank``: with its own
-    arguments) and return the results in rank order; ``run_async`` + ``get`` let two groups
-    work at once (a refit's sender and receivers)."""
+    arguments) and return the results in rank order; ``run_async`` / ``run_per_rank_async`` +
+    ``get`` let two groups work at once (a refit's sender and receivers, async GRPO's generators
+    and trainers)."""
 
     kind: str
     num_workers: int
@@ -41,6 +42,8 @@ class Group(Protocol):
         args_list: Sequence[Sequence[Any]],
         kwargs_list: Sequence[dict[str, Any]] | None = None,
     ) -> list[Any]: ...
+
+    def run_per_rank_async(self, method: str, args_list: Sequence[Sequence[Any]]) -> Any: ...
 
     def shutdown(self) -> None: ...
 
@@ -98,6 +101,12 @@ class LocalGroup:
             raise ValueError(f"{len(args_list)} argument sets for {self.num_workers} workers")
         kwargs_list = kwargs_list or [{}] * len(args_list)
         return self.get(self._submit(method, list(zip(args_list, kwargs_list, strict=True))))
+
+    def run_per_rank_async(self, method: str, args_list: Sequence[Sequence[Any]]) -> LocalFutures:
+        """``run_per_rank`` without waiting; collect with ``get``."""
+        if len(args_list) > self.num_workers:
+            raise ValueError(f"{len(args_list)} argument sets for {self.num_workers} workers")
+        return self._submit(method, [(args, {}) for args in args_list])
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -302,21 +302,36 @@ class Runtime:
     # -- generation ---------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Rollout]:
         """Prompts split into contiguous chunks, one per generator; rollouts in prompt order."""
+        return self.collect(self.submit_generate(prompt_token_ids, params))
+
+    def submit_generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams
+    ) -> PendingGeneration:
+        """``generate`` without waiting: the generators start, the caller goes on (async GRPO
+        trains meanwhile); ``collect`` returns the rollouts. A later call on the generators (a
+        refit, another generation) runs after this one."""
         if self.generators is None:
             raise ValueError("this runtime was started without generators (with_generators)")
         if not self._phase.weights_current:
             self.refit()  # a deep sleep dropped the weights: never generate from garbage
         self._enter(policy=False, reference=False, generators="awake")
         chunks = _split(list(range(len(prompt_token_ids))), self.generators.num_workers)
-        results = self.generators.run_per_rank(
-            "generate",
+        futures = self.generators.run_per_rank_async(
+            "generate_timed",
             [
                 ([prompt_token_ids[i] for i in chunk], _offset_seed(params, chunk[0]))
                 for chunk in chunks
             ],
         )
+        return PendingGeneration(chunks, futures)
+
+    def collect(self, pending: PendingGeneration) -> list[Rollout]:
+        """The rollouts of a ``submit_generate``, in prompt order (waits for them)."""
+        assert self.generators is not None
+        results = self.generators.get(pending.futures)
         rollouts = []
-        for chunk, chunk_rollouts in zip(chunks, results, strict=True):
+        for chunk, (chunk_rollouts, idle_s) in zip(pending.chunks, results, strict=True):
+            self._add_metric("timing/generator_idle_s", idle_s / len(results))
             for rollout in chunk_rollouts:
                 rollout.prompt_index = chunk[rollout.prompt_index]
                 rollouts.append(rollout)
@@ -381,6 +396,14 @@ class Runtime:
     def export_hf(self, path: str) -> None:
         self._enter(policy=True, generators="asleep")
         self.trainers.run("export_hf", path)
+
+
+@dataclass(frozen=True)
+class PendingGeneration:
+    """A generation in progress: each generator's prompt indices and its pending result."""
+
+    chunks: list[list[int]]
+    futures: Any
 
 
 def _split(items: list[int], parts: int) -> list[list[int]]:

@@ -14,7 +14,8 @@ Public API
 env_mode=None, num_cpus=1.0)``
   ``.run(method, *args, **kwargs) -> list`` (every rank, results in rank order),
   ``.run_rank0(method, ...)``, ``.run_async(method, ...) -> Futures`` + ``.get(futures) -> list``,
-  ``.run_per_rank(method, args_list, kwargs_list=None) -> list``, ``.shutdown()``,
+  ``.run_per_rank(method, args_list, kwargs_list=None) -> list``,
+  ``.run_per_rank_async(method, args_list) -> Futures``, ``.shutdown()``,
   ``.num_workers``, ``.kind``, ``.actors``.
 ``WorkerError`` (from ``groups``): an actor died or a method raised; names kind, rank and method.
 """
@@ -190,6 +191,13 @@ class WorkerGroup:
             for rank, (args, kw) in enumerate(zip(args_list, kwargs_list, strict=True))
         ]
         return self.get(Futures(method, list(range(len(refs))), refs))
+
+    def run_per_rank_async(self, method: str, args_list: Sequence[Sequence[Any]]) -> Futures:
+        """``run_per_rank`` without waiting; collect with ``get``."""
+        if len(args_list) > self.num_workers:
+            raise ValueError(f"{len(args_list)} argument sets for {self.num_workers} workers")
+        refs = [self.actors[rank].call.remote(method, *args) for rank, args in enumerate(args_list)]
+        return Futures(method, list(range(len(refs))), refs)
 
     def get(self, futures: Futures) -> list[Any]:
         """Results in rank order. Raises ``WorkerError`` on the first failure seen, without

@@ -218,6 +218,12 @@ class AlgorithmConfig(Section):
     up to overlong_penalty, linearly, reaching it at max_tokens. 0 disables."""
     overlong_penalty: float = Field(1.0, ge=0)
     """The reward a response of max_tokens tokens loses (with overlong_buffer > 0)."""
+    max_staleness: int = Field(0, ge=0)
+    """Async GRPO: how many policy versions older than the one being trained a step's rollouts
+    may be. 0 is the synchronous loop (generate, train, refit). k > 0 (split placement) lets the
+    generators produce the next steps' rollouts while the trainers train; the generators are
+    refitted (between generation calls) only when the next rollouts would be older than k.
+    Needs a rollout_correction, which reweights stale tokens against the generator's logprobs."""
     eval_every: int = Field(5, ge=0)
     """Evaluate held-out accuracy every K steps (and at the end); 0 disables."""
     seed: int = 0
@@ -284,6 +290,24 @@ class GrpoConfig(Section):
     data: DataConfig = DataConfig()
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @model_validator(mode="after")
+    def _async_needs_split(self) -> GrpoConfig:
+        algo = self.algorithm
+        if algo.max_staleness == 0:
+            return self
+        problems = [
+            (self.cluster.placement != "split", "cluster.placement=split"),
+            (algo.rollout_correction == "none", "an algorithm.rollout_correction (e.g. token_tis)"),
+            (algo.refill_rounds > 0, "algorithm.refill_rounds=0 (refills are not pipelined)"),
+        ]
+        needs = [fix for bad, fix in problems if bad]
+        if needs:
+            raise ValueError(
+                f"algorithm.max_staleness={algo.max_staleness} (async GRPO) needs "
+                + ", ".join(needs)
+            )
+        return self
 
     @model_validator(mode="after")
     def _overlong_buffer_fits(self) -> GrpoConfig:

@@ -85,6 +85,8 @@ class Rollout:
     response_logprobs: list[float] = field(default_factory=list)
     """Raw-model logprob of each token of ``response_token_ids`` (see the module docstring)."""
     finish_reason: FinishReason = "length"
+    policy_version: int = 0
+    """Optimizer steps of the weights that generated it (set by the rollout pipeline)."""
 
 
 class Generator(abc.ABC):

@@ -1,0 +1,161 @@
+"""Async GRPO: the generators produce the next steps' rollouts while the trainers train.
+
+``algorithm.max_staleness = k`` bounds how old the rollouts of a step may be: step ``s`` trains
+the policy of version ``s - 1`` (the optimizer steps behind it), so its rollouts must come from
+weights of version ``>= s - 1 - k``. The pipeline below keeps one generation call per generator
+running and decides two things only:
+
+- **submit** step ``j``'s prompts as soon as the generators are free and the weights they hold
+  are recent enough for step ``j``;
+- **refit** after a step only when the next submission would otherwise break the bound. A refit
+  first waits for the running generation (the weights change between generation calls, never
+  inside one), so every rollout carries exactly the version that produced it.
+
+With ``k = 1`` the generators work on step ``s + 1`` while the trainers train step ``s``, and a
+step costs ``max(generate, train) + refit`` instead of their sum; a larger ``k`` also refits less
+often. Stale tokens are reweighted by the configured ``rollout_correction`` against the
+generator's logprobs (the old logprobs are the current policy's, as in AReaL's decoupled PPO).
+
+Prompts: step ``j`` always trains the prompts of data position ``[(j-1) P, j P)``, whatever ran
+ahead. On resume the generations that ran ahead of the checkpoint are lost with the process and
+their prompts are generated again, for the same steps, from the checkpoint's weights: no prompt
+is skipped or trained twice (``data/prompt_start`` and ``data/prompt_digest`` show it).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass
+
+from tandem.algorithms.grpo import Groups, rollout_params, score, train_on_groups
+from tandem.algorithms.protocols import PipelinedRuntime
+from tandem.config.models import GrpoConfig
+from tandem.data.prompts import PromptSource
+
+
+@dataclass
+class _Generation:
+    """One step's prompts on their way through the generators."""
+
+    step: int
+    prompts: list[dict[str, str]]
+    version: int
+    """Optimizer steps of the weights the generators held when it was submitted."""
+    pending: object
+
+
+class RolloutPipeline:
+    """Runs GRPO steps with generation ahead of training (the module docstring). Call ``step``
+    with consecutive step numbers; the first call sets where the run starts (a resumed run's
+    generators hold the checkpoint's weights, refitted by the driver)."""
+
+    def __init__(self, runtime: PipelinedRuntime, config: GrpoConfig, source: PromptSource):
+        self.runtime, self.config, self.source = runtime, config, source
+        self.max_staleness = config.algorithm.max_staleness
+        self.version = -1
+        """Version of the generators' weights (-1 until the first step)."""
+        self.next_step = 0
+        self.running: _Generation | None = None
+        self.done: dict[int, tuple[_Generation, Groups]] = {}
+        self._waited = 0.0
+        self.trained = -1
+        """The last step trained (-1 before the first)."""
+
+    def step(self, step: int) -> dict[str, float]:
+        """Train step ``step`` on its rollouts; refit if the bound needs it; the step's metrics."""
+        if self.version < 0:
+            self.version, self.next_step = step - 1, step
+        start = time.perf_counter()
+        self._waited = 0.0
+        self._submit_if_allowed()
+        generation, groups = self._take(step)
+        timings = {"timing/generate_s": self._waited}
+        self._submit_if_allowed()  # the generators go on while the trainers train
+        in_flight = (len(self.done) + (self.running is not None)) * self._rollouts_per_step
+        metrics = train_on_groups(self.runtime, self.config, groups, step, self.source, timings)
+        self.trained = step
+        t0 = time.perf_counter()
+        refit_stats = self._refit_if_needed(step)
+        timings["timing/refit_s"] = time.perf_counter() - t0
+        self._submit_if_allowed()
+        timings["timing/step_s"] = time.perf_counter() - start
+        timings["timing/trainer_idle_s"] = self._waited
+        ages = [step - 1 - r.policy_version for r in groups.rollouts]
+        return {
+            **metrics,
+            "throughput/tokens_per_s": metrics.pop("num_tokens") / timings["timing/step_s"],
+            "refit/gb_per_s": refit_stats.get("gb_per_s", 0.0),
+            "async/staleness_mean": sum(ages) / len(ages),
+            "async/staleness_max": float(max(ages)),
+            "async/rollouts_in_flight": float(in_flight),
+            "async/refit": float(self.version == step),
+            **self._prompt_accounting(generation),
+            **timings,
+        }
+
+    def sync_weights(self) -> None:
+        """Make the generators hold the trainers' current weights (before an evaluation)."""
+        if self.version < self.trained:
+            self._drain()
+            self._refit(self.trained)
+
+    @property
+    def _rollouts_per_step(self) -> int:
+        return self.config.algorithm.prompts_per_step * self.config.algorithm.num_generations
+
+    def _allowed(self, step: int) -> bool:
+        """Whether rollouts for ``step`` may come from the generators' current weights."""
+        return self.version >= step - 1 - self.max_staleness
+
+    def _submit_if_allowed(self) -> None:
+        j = self.next_step
+        if self.running is not None or j > self.config.algorithm.num_steps or not self._allowed(j):
+            return
+        prompts = self.source.train_prompts(j - 1, self.config.algorithm.prompts_per_step)
+        pending = self.runtime.submit_generate(
+            [self.source.encode(p["prompt"]) for p in prompts], rollout_params(self.config, j)
+        )
+        self.running = _Generation(j, prompts, self.version, pending)
+        self.next_step = j + 1
+
+    def _drain(self) -> None:
+        """Wait for the running generation and score it (the trainers idle meanwhile)."""
+        if self.running is None:
+            return
+        generation, self.running = self.running, None
+        t0 = time.perf_counter()
+        rollouts = self.runtime.collect(generation.pending)  # type: ignore[arg-type]
+        self._waited += time.perf_counter() - t0
+        for rollout in rollouts:
+            rollout.policy_version = generation.version
+        params = rollout_params(self.config, generation.step)
+        rewards = score(self.config, self.source, generation.prompts, rollouts, params)
+        self.done[generation.step] = (generation, Groups(rollouts, rewards, {}))
+
+    def _take(self, step: int) -> tuple[_Generation, Groups]:
+        if step not in self.done:
+            assert self.running is not None and self.running.step == step, (step, self.running)
+            self._drain()
+        return self.done.pop(step)
+
+    def _refit_if_needed(self, step: int) -> dict[str, float]:
+        """Refit (after the running generation) when the next step to submit needs it."""
+        if self.next_step > self.config.algorithm.num_steps or self._allowed(self.next_step):
+            return {}
+        self._drain()
+        return self._refit(step)
+
+    def _refit(self, step: int) -> dict[str, float]:
+        stats = self.runtime.refit()
+        self.version = step
+        return stats
+
+    def _prompt_accounting(self, generation: _Generation) -> dict[str, float]:
+        """Where the step's prompts start in the data order, and a digest of their text."""
+        count = self.config.algorithm.prompts_per_step
+        digest = zlib.crc32("\n".join(p["prompt"] for p in generation.prompts).encode())
+        return {
+            "data/prompt_start": float((generation.step - 1) * count),
+            "data/prompt_digest": float(digest),
+        }
