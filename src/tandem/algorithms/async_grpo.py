@@ -73,7 +73,11 @@ class RolloutPipeline:
         timings = {"timing/generate_s": self._waited}
         self._submit_if_allowed()  # the generators go on while the trainers train
         in_flight = (len(self.done) + (self.running is not None)) * self._rollouts_per_step
-        metrics = train_on_groups(self.runtime, self.config, groups, step, self.source, timings)
+        ages = [step - 1 - r.policy_version for r in groups.rollouts]
+        metrics = train_on_groups(
+            self.runtime, self.config, groups, step, self.source, timings, fresh=max(ages) == 0
+        )
+        num_tokens = metrics.pop("num_tokens")
         self.trained = step
         t0 = time.perf_counter()
         refit_stats = self._refit_if_needed(step)
@@ -81,10 +85,9 @@ class RolloutPipeline:
         self._submit_if_allowed()
         timings["timing/step_s"] = time.perf_counter() - start
         timings["timing/trainer_idle_s"] = self._waited
-        ages = [step - 1 - r.policy_version for r in groups.rollouts]
         return {
             **metrics,
-            "throughput/tokens_per_s": metrics.pop("num_tokens") / timings["timing/step_s"],
+            "throughput/tokens_per_s": num_tokens / timings["timing/step_s"],
             "refit/gb_per_s": refit_stats.get("gb_per_s", 0.0),
             "async/staleness_mean": sum(ages) / len(ages),
             "async/staleness_max": float(max(ages)),

@@ -90,9 +90,12 @@ def train_on_groups(
     step: int,
     source: PromptSource,
     timings: dict[str, float],
+    fresh: bool = True,
 ) -> dict[str, float]:
     """Advantages, logprob passes and the update(s) of step ``step`` on scored ``groups``: the
-    step's metrics (``num_tokens``: the batch's tokens); its phases' seconds go to ``timings``."""
+    step's metrics (``num_tokens``: the batch's tokens); its phases' seconds go to ``timings``.
+    ``fresh``: the rollouts come from the policy being trained, so a logprob mismatch means a
+    bad refit (stale rollouts of async GRPO differ by design: no alarm)."""
     algo = config.algorithm
     rollouts, rewards = groups.rollouts, torch.tensor(groups.rewards, dtype=torch.float32)
     adv = compute_advantages(rewards, algo.num_generations, algo.advantage)
@@ -116,7 +119,7 @@ def train_on_groups(
     train_metrics = _update(runtime, batch, policy_loss(config), config, step)
     timings["timing/train_s"] = time.perf_counter() - t0
     mismatch = train_metrics["logprob_mismatch"]
-    if mismatch > config.refit.logprob_mismatch_alarm:
+    if fresh and mismatch > config.refit.logprob_mismatch_alarm:
         log.warning(
             "step %d: generator/trainer logprob mismatch %.3g exceeds refit.logprob_mismatch_alarm"
             " %.3g (stale weights or KV cache in the generator?)",
