@@ -1,7 +1,9 @@
-"""The ``tandem`` command: ``tandem grpo|sft|dpo|envs|version``.
+"""The ``tandem`` command: ``tandem grpo|sft|dpo|export|envs|version``.
 
-User errors (a bad recipe, a typo'd key, a malformed data row) print one clear message and exit
-with status 2, without a traceback; anything else is a bug and keeps its traceback.
+User errors (a bad recipe, a typo'd key, a malformed data row, a reward that raises) print one
+clear message and exit with status 2, without a traceback of tandem's; a worker that died or
+failed (``WorkerError``) prints one message naming it and exits with status 1; anything else is a
+bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -9,13 +11,41 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import tandem
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
 
 
-def _add_run_arguments(parser: argparse.ArgumentParser, default_recipe: str) -> None:
+class _HelpConfig(argparse.Action):
+    """``--help-config``: every key of the command's config with its type, default and doc."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        self.model_name: str = kwargs.pop("model_name")
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        from tandem import config
+        from tandem.config.help import describe_config
+
+        print(describe_config(getattr(config, self.model_name)))
+        parser.exit()
+
+
+def _add_run_arguments(
+    parser: argparse.ArgumentParser, default_recipe: str, model_name: str
+) -> None:
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the run's latest complete checkpoint"
+    )
+    parser.add_argument(
+        "--help-config",
+        action=_HelpConfig,
+        model_name=model_name,
+        help="list every config key with its type, default and description, then exit",
+    )
     parser.add_argument(
         "--config",
         "-c",
@@ -45,7 +75,13 @@ def _run_sft(args: argparse.Namespace) -> None:
     config = load_config(SftConfig, args.config, args.overrides)
     from tandem.driver import run_sft
 
-    run_sft(config)
+    run_sft(config, resume=args.resume)
+
+
+def _run_export(args: argparse.Namespace) -> None:
+    from tandem.driver import export_checkpoint
+
+    print(f"exported {export_checkpoint(args.checkpoint, args.out_dir)}")
 
 
 def _run_dpo(args: argparse.Namespace) -> None:
@@ -78,18 +114,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     grpo = sub.add_parser("grpo", help="run GRPO (default: the embedded tiny model and task)")
-    _add_run_arguments(grpo, "grpo_arithmetic")
-    grpo.add_argument("--resume", action="store_true", help="continue the run's latest checkpoint")
+    _add_run_arguments(grpo, "grpo_arithmetic", "GrpoConfig")
     grpo.set_defaults(func=_run_grpo)
 
     sft = sub.add_parser("sft", help="supervised fine-tuning on prompt/response data")
-    _add_run_arguments(sft, "sft_arithmetic")
+    _add_run_arguments(sft, "sft_arithmetic", "SftConfig")
     sft.set_defaults(func=_run_sft)
 
     dpo = sub.add_parser("dpo", help="DPO / IPO on preference pairs (prompt, chosen, rejected)")
-    _add_run_arguments(dpo, "dpo_arithmetic")
-    dpo.add_argument("--resume", action="store_true", help="continue the run's latest checkpoint")
+    _add_run_arguments(dpo, "dpo_arithmetic", "DpoConfig")
     dpo.set_defaults(func=_run_dpo)
+
+    export = sub.add_parser(
+        "export", help="write a checkpoint's policy as a Hugging Face folder (no Ray)"
+    )
+    export.add_argument(
+        "checkpoint",
+        type=Path,
+        help="a run folder (its latest checkpoint) or its checkpoints/step_N",
+    )
+    export.add_argument("out_dir", type=Path, help="the folder to write (replaced whole)")
+    export.set_defaults(func=_run_export)
 
     env = sub.add_parser("envs", help="list, build or clean the per-actor Python environments")
     env.add_argument("action", choices=["list", "build", "clean"])
@@ -105,8 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], None] = args.func
+    from tandem.cluster.groups import WorkerError
+
     try:
         func(args)
+    except WorkerError as err:
+        print(f"tandem {args.command}: error: {err}", file=sys.stderr)
+        return 1
     except USER_ERRORS as err:
         print(f"tandem {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -88,6 +88,13 @@ class Checkpoints:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def check_resumable(config: GrpoConfig | SftConfig, kind: str) -> None:
+    """``--resume`` finds a complete checkpoint to continue (checked before anything starts)."""
+    run_dir = make_run_dir(config.logging, kind, resume=True)
+    if Checkpoints(run_dir, config.checkpoint).latest() is None:
+        raise ValueError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
+
+
 def _truncate_metrics(run_dir: Path, after_step: int) -> None:
     """On resume, drop metrics logged after the checkpoint (they will be recomputed)."""
     records = [r for r in read_metrics(run_dir) if r["step"] <= after_step]
@@ -124,12 +131,48 @@ def run_loop(
             logger.log(step, metrics)
             if checkpoints.due(step, num_steps):
                 checkpoints.save(step, runtime, {})
+        if config.checkpoint.export_hf:
+            runtime.export_hf(str((run_dir / "hf").resolve()))
+            logger.info(f"trained policy (Hugging Face folder): {run_dir / 'hf'}")
     records = read_metrics(run_dir)
     plot_run(records, run_dir / "reward.png", title=f"{kind}: {run_dir.name}")
     return records
 
 
+def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
+    """The policy of ``checkpoint`` (a run folder: its latest checkpoint; or its
+    ``checkpoints/step_N``) as a Hugging Face folder at ``out_dir``, in this process (no Ray):
+    the policy section of the run's resolved config rebuilds the model the shards belong to."""
+    from tandem.config.models import PolicyConfig
+    from tandem.trainer.policy_trainer import PolicyTrainer
+
+    step_dir = checkpoint
+    if (checkpoint / "checkpoints").is_dir():
+        latest = Checkpoints(checkpoint, CheckpointConfig()).latest()
+        if latest is None:
+            raise ValueError(f"{checkpoint}: no complete checkpoint under checkpoints/")
+        step_dir = latest
+    if not (step_dir / COMPLETE_MARKER).exists():
+        raise ValueError(
+            f"{checkpoint} is not a complete checkpoint (a run folder, or its "
+            "checkpoints/step_N holding a COMPLETE marker)"
+        )
+    resolved = step_dir.parent.parent / "config.json"
+    if not resolved.is_file():
+        raise ValueError(f"{resolved} not found: the run's resolved config says which model")
+    policy = PolicyConfig.model_validate(json.loads(resolved.read_text())["policy"])
+    trainer = PolicyTrainer(policy, device="cpu", trainable=False)
+    trainer.load_checkpoint(step_dir / "trainer")
+    trainer.export_hf(out_dir)
+    return out_dir
+
+
 def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
+    from tandem.preflight import check_run_inputs
+
+    context = check_run_inputs(config.policy, config.generation, config.data)  # before torch
+    if resume:
+        check_resumable(config, "grpo")
     from tandem.algorithms.async_grpo import RolloutPipeline
     from tandem.algorithms.grpo import evaluate, grpo_step
     from tandem.cluster.runtime import RuntimeSpec
@@ -143,7 +186,7 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
         with_reference=algo.kl_coef > 0,
         total_steps=algo.num_steps * algo.ppo_epochs * algo.num_minibatches,  # optimizer steps
     )
-    with runtime_and_prompts(config, spec) as (runtime, source):
+    with runtime_and_prompts(config, spec, context) as (runtime, source):
 
         def step_fn(step: int) -> dict[str, float]:
             if pipeline is not None:
@@ -167,25 +210,38 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
 
 
 @contextmanager
-def runtime_and_prompts(config: GrpoConfig | SftConfig, spec: Any) -> Iterator[tuple[Any, Any]]:
-    """The started runtime and the prompt source. The prompts are read (and checked) before
+def runtime_and_prompts(
+    config: GrpoConfig | SftConfig, spec: Any, context: int
+) -> Iterator[tuple[Any, Any]]:
+    """The started runtime and the prompt source (``preflight.check_run_inputs`` has checked
+    the inputs and found the model's ``context``). The prompts are read (and checked) before
     anything starts; the tokenizer loads (transformers' import takes seconds) while the actors
     start."""
     from tandem.cluster.runtime import Runtime
     from tandem.data.prompts import PromptSource, load_prompt_items, load_tokenizer
-    from tandem.rewards import load_reward
+    from tandem.preflight import check_prompt_lengths
+    from tandem.rewards import RewardScorer
 
-    seed = config.algorithm.seed
-    reward = load_reward(config.data.reward)
-    train, eval_items = load_prompt_items(config.data, seed)
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    seed, data = config.algorithm.seed, config.data
+    scorer = RewardScorer(
+        data.reward, data.num_reward_workers, data.reward_timeout_s, data.invalid_reward
+    )
+    train, eval_items = load_prompt_items(data, seed)
+    with scorer, ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer = pool.submit(load_tokenizer, config.policy.model_path)
         with Runtime.start(spec) as runtime:
-            yield runtime, PromptSource(train, eval_items, tokenizer.result(), reward, seed)
+            source = PromptSource(train, eval_items, tokenizer.result(), scorer, seed)
+            check_prompt_lengths(source.longest_prompts(), context, config.generation)
+            yield runtime, source
 
 
 def run_sft(config: SftConfig, resume: bool = False) -> list[dict[str, Any]]:
     """SFT; held-out accuracy is measured by refitting a generator before each evaluation."""
+    from tandem.preflight import check_run_inputs
+
+    context = check_run_inputs(config.policy, config.generation, config.data)  # before torch
+    if resume:
+        check_resumable(config, "sft")
     from tandem.algorithms.grpo import evaluate
     from tandem.algorithms.sft import sft_step
     from tandem.cluster.runtime import RuntimeSpec
@@ -201,7 +257,7 @@ def run_sft(config: SftConfig, resume: bool = False) -> list[dict[str, Any]]:
         runtime.refit()
         return evaluate(runtime, source, config.data.num_eval_prompts, sampling)
 
-    with runtime_and_prompts(config, spec) as (runtime, source):
+    with runtime_and_prompts(config, spec, context) as (runtime, source):
         records = run_loop(
             config,
             "sft",

@@ -15,6 +15,7 @@ from tandem.driver import Checkpoints
 from tandem.generation.base import Rollout
 from tandem.logging.metrics import CONSOLE_KEYS, MetricsLogger, format_console_line, read_metrics
 from tandem.logging.plots import plot_run
+from tandem.rewards import RewardError
 
 
 def jsonl(path: Path, lines: list[str]) -> Path:
@@ -71,8 +72,9 @@ def test_failing_reward_is_reported_with_its_sample() -> None:
     def decode(ids: list[int]) -> str:
         return "".join(map(str, ids))
 
-    with pytest.raises(RuntimeError, match="prompt '1\\+1=', response '2'"):
+    with pytest.raises(RewardError, match="prompt='1\\+1=', response='2'") as info:
         score_rollouts(reward, [{"prompt": "1+1=", "answer": "2"}], [rollout(0, [1], [2])], decode)
+    assert "KeyError: 'boom'" in str(info.value)
 
 
 class FakeTrainerSaver:

@@ -294,26 +294,6 @@ def test_gradcheck_float64(aggregation: str) -> None:
     )
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("clip_low", 1.0),
-        ("clip_low", -0.1),
-        ("clip_high", -0.1),
-        ("dual_clip", 1.0),
-        ("kl_coef", -1.0),
-        ("kl_estimator", "k4"),
-        ("aggregation", "batch"),
-        ("correction_low", 0.0),
-        ("correction_low", 1.5),
-        ("correction_high", 0.9),
-    ],
-)
-def test_config_rejects_bad_values_naming_the_field(field: str, value: object) -> None:
-    with pytest.raises(ValueError, match=f"PolicyLossConfig.{field}="):
-        PolicyLossConfig(**{field: value})  # type: ignore[arg-type]
-
-
 def test_loss_is_picklable_for_workers() -> None:
     loss_fn = pickle.loads(pickle.dumps(ClippedPolicyLoss(PolicyLossConfig(clip_high=0.28))))
     assert loss_fn.config.clip_high == 0.28

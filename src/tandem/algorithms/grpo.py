@@ -293,4 +293,7 @@ def evaluate(
     )
     rollouts = runtime.generate([source.encode(p["prompt"]) for p in prompts], params)
     scores = score_rollouts(source.reward, prompts, rollouts, source.decode)
-    return {"eval/accuracy": sum(scores.rewards) / len(scores.rewards)}
+    return {
+        "eval/accuracy": sum(scores.rewards) / len(scores.rewards),
+        **{f"eval/{key.split('/')[-1]}": value for key, value in scores.metrics.items()},
+    }

@@ -3,45 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from tandem.data.batch import TrainBatch
 from tandem.generation.base import Rollout
+from tandem.rewards.scorer import RewardScorer, Scores
 
-
-@dataclass
-class Scores:
-    rewards: list[float]
-    """One reward per rollout, in rollout order."""
-
-
-RewardFn = Callable[[str, str, str], float]
+__all__ = ["Scores", "rollouts_to_batch", "score_rollouts"]
 
 
 def score_rollouts(
-    reward: RewardFn,
+    reward: RewardScorer | Callable[[str, str, str], float],
     prompts: Sequence[dict[str, str]],
     rollouts: Sequence[Rollout],
     decode: Callable[[list[int]], str],
 ) -> Scores:
-    """Reward of every rollout against its prompt's reference answer.
+    """Reward of every rollout against its prompt's reference answer, with the scorer's metrics.
 
-    A reward function that raises is reported with the sample it failed on, never swallowed.
+    A plain function is scored in this process. A reward that raises, returns a non-finite
+    number or hangs is reported with the sample (``RewardScorer``), never swallowed.
     """
-    rewards = []
+    scorer = reward if isinstance(reward, RewardScorer) else RewardScorer("<function>", fn=reward)
+    samples = []
     for rollout in rollouts:
         item = prompts[rollout.prompt_index]
         response = rollout.response_text or decode(rollout.response_token_ids)
-        try:
-            rewards.append(float(reward(item["prompt"], response, item["answer"])))
-        except Exception as err:
-            raise RuntimeError(
-                f"reward function failed on prompt {item['prompt']!r}, response {response!r}, "
-                f"answer {item['answer']!r}: {type(err).__name__}: {err}"
-            ) from err
-    return Scores(rewards=rewards)
+        samples.append((item["prompt"], response, item["answer"]))
+    return scorer.score(samples)
 
 
 def rollouts_to_batch(rollouts: Sequence[Rollout], pad_token_id: int) -> TrainBatch:

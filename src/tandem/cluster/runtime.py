@@ -165,6 +165,7 @@ class Runtime:
                 bundles=placement.trainer_bundles,
                 env_vars=env_vars,
                 env_mode=cluster.env_mode,
+                call_timeout_s=cluster.call_timeout_s,
             ),
         }
         if spec.with_generators:
@@ -176,6 +177,7 @@ class Runtime:
                 bundles=placement.generator_bundles,
                 env_vars=env_vars,
                 env_mode=cluster.env_mode,
+                call_timeout_s=cluster.call_timeout_s,
             )
         # Both kinds start at once (their processes, imports and model loads overlap), except
         # colocated on GPUs: vLLM sizes its KV cache from the memory it finds free at start.

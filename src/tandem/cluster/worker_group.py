@@ -85,6 +85,7 @@ class WorkerGroup:
     ``bundles`` (from ``tandem.cluster.placement``) place rank ``i`` in ``bundles[i]``; without
     them every actor asks ``num_cpus``. ``env_mode`` (``isolated``/``shared``, overridden by
     ``TANDEM_ENV_MODE``) picks the interpreter; ``env_vars`` are added to the actors' environment.
+    ``call_timeout_s`` bounds the wait for each rank's result of every call (None: no bound).
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class WorkerGroup:
         env_vars: dict[str, str] | None = None,
         env_mode: str | None = None,
         num_cpus: float = 1.0,
+        call_timeout_s: float | None = None,
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -106,6 +108,7 @@ class WorkerGroup:
                 f"{num_workers} {kind} workers need as many bundles, got {len(bundles)}"
             )
         self.kind, self.num_workers = kind, num_workers
+        self.call_timeout_s = call_timeout_s
         self.actors: list[Any] = []
         runtime_env = self._runtime_env(kind, env_vars, env_mode)
         host_cls = ray.remote(_WorkerHost)
@@ -201,12 +204,21 @@ class WorkerGroup:
 
     def get(self, futures: Futures) -> list[Any]:
         """Results in rank order. Raises ``WorkerError`` on the first failure seen, without
-        waiting for the other ranks (which may be blocked in a collective with the failed one)."""
+        waiting for the other ranks (which may be blocked in a collective with the failed one),
+        and when a rank gives no result within ``call_timeout_s``."""
         rank_of = {ref: rank for rank, ref in zip(futures.ranks, futures.refs, strict=True)}
         results: dict[int, Any] = {}
         pending = list(futures.refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=self.call_timeout_s)
+            if not ready:
+                raise WorkerError(
+                    self.kind,
+                    rank_of[pending[0]],
+                    futures.method,
+                    f"no result after {self.call_timeout_s:g} s (cluster.call_timeout_s); "
+                    "it hangs or is far slower than expected",
+                )
             rank = rank_of[ready[0]]
             results[rank] = self._result(ready[0], rank, futures.method)
         return [results[rank] for rank in futures.ranks]

@@ -39,6 +39,10 @@ class ClusterConfig(Section):
     env_mode: Literal["isolated", "shared"] = "isolated"
     """isolated: every actor kind in its own uv environment; shared: all in the driver's
     interpreter (containers that already hold everything). TANDEM_ENV_MODE overrides."""
+    call_timeout_s: float | None = Field(1800.0, gt=0)
+    """Longest wait for one call on the trainers or generators (a generate, a train step, a
+    checkpoint); past it the run stops with an error naming the actor and the method. None
+    waits forever."""
 
 
 class OptimizerConfig(Section):
@@ -97,13 +101,19 @@ class SamplingConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass."""
     top_k: int = Field(-1, ge=-1)
-    """Top-k sampling; -1 disables."""
+    """Top-k sampling; -1 disables (0 is refused)."""
     max_tokens: int = Field(64, ge=1)
     """Maximum response tokens."""
     stop: list[str] = []
     """Stop strings (not included in the response)."""
     seed: int | None = 0
     """Sampling seed (per request, so results do not depend on batching)."""
+
+    @model_validator(mode="after")
+    def _top_k_not_zero(self) -> SamplingConfig:
+        if self.top_k == 0:
+            raise ValueError("top_k=0 keeps no token: use -1 (disabled) or a value >= 1")
+        return self
 
 
 class GenerationConfig(Section):
@@ -131,8 +141,6 @@ class GenerationConfig(Section):
     """Generator weight precision; fp8 quantises block-wise (128x128, e4m3) during refit."""
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     """vLLM KV-cache dtype; fp8 uses scales calibrated by the trainer."""
-    kv_scale_recalibrate_every: int = Field(1, ge=1)
-    """Recalibrate FP8 KV-cache scales every K steps (when kv_cache_dtype is fp8)."""
 
     @model_validator(mode="after")
     def _fp8_needs_vllm(self) -> GenerationConfig:
@@ -161,6 +169,9 @@ class RefitConfig(Section):
     (docs/performance.md). The two buckets are never larger than the model needs."""
     logprob_mismatch_alarm: float = Field(0.05, gt=0)
     """Warn when mean |generator - trainer| token logprob exceeds this after a refit."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Longest wait of one refit step for the other side (the rendezvous, one bucket); past it
+    the refit fails naming the bucket."""
 
 
 class AlgorithmConfig(Section):
@@ -185,7 +196,7 @@ class AlgorithmConfig(Section):
     """ppo: the per-token clipped ratio; gspo: GSPO's length-normalised sequence ratio, clipped
     per sequence (use aggregation: sequence and a small clip range, e.g. 3e-4 / 4e-4)."""
     clip_low: float = Field(0.2, ge=0, lt=1)
-    """PPO clip range below 1."""
+    """PPO clip range below 1 (the ratio is clipped at 1 - clip_low, so it must be < 1)."""
     clip_high: float = Field(0.2, ge=0)
     """PPO clip range above 1 (clip-higher: e.g. 0.28)."""
     dual_clip: float | None = Field(None, gt=1)
@@ -247,6 +258,15 @@ class DataConfig(Section):
     """Reward: exact_match, math_verify, or an import path 'package.module:function'."""
     num_eval_prompts: int = Field(64, ge=1)
     """Held-out prompts per evaluation."""
+    num_reward_workers: int = Field(2, ge=0)
+    """Processes that score rewards (each sample in one of them, so a hanging reward can be
+    cut off); 0 scores in the driver itself, without a timeout."""
+    reward_timeout_s: float = Field(60.0, gt=0)
+    """Longest time one sample's reward may take (with num_reward_workers >= 1)."""
+    invalid_reward: Literal["error", "zero"] = "error"
+    """What a reward that is not a finite number (NaN, inf, a string), or that times out, does:
+    error stops the run naming the sample; zero scores it 0 and counts it (metrics
+    reward/invalid_count and reward/timeout_count)."""
 
     @model_validator(mode="after")
     def _paths_for_jsonl(self) -> DataConfig:
@@ -277,6 +297,9 @@ class CheckpointConfig(Section):
     """Complete checkpoints to keep."""
     enabled: bool = True
     """Write checkpoints at all."""
+    export_hf: bool = True
+    """At the end of a run, write the trained policy as a Hugging Face folder (config,
+    tokenizer, safetensors) to ``<run>/hf``."""
 
 
 class GrpoConfig(Section):

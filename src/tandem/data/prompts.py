@@ -68,6 +68,11 @@ class PromptSource:
     def eval_prompts(self, count: int) -> list[dict[str, str]]:
         return self.eval_items[:count]
 
+    def longest_prompts(self, count: int = 64) -> list[int]:
+        """Token lengths of the ``count`` longest prompts (by characters) of either set."""
+        texts = sorted({item["prompt"] for item in self.train + self.eval_items}, key=len)
+        return [len(self.encode(text)) for text in texts[-count:]]
+
 
 def make_prompt_source(
     config: DataConfig, model_path: Path, reward: RewardFn, seed: int, num_train: int = 20000
@@ -105,6 +110,8 @@ def load_prompt_file(path: Path, config: DataConfig) -> list[dict[str, str]]:
     applied. A malformed row stops the run with the file and line (row) that is wrong."""
     if not path.is_file():
         raise ValueError(f"data file not found: {path}")
+    if not path.read_bytes().strip():
+        raise ValueError(f"data file {path} is empty")
     if path.suffix == ".jsonl":
         check_jsonl(path, (config.prompt_key, config.answer_key))
     import datasets

@@ -41,15 +41,6 @@ class SamplingParams:
     """Stop strings; the response is cut before the first one (and it is not included)."""
     seed: int | None = 0
 
-    def __post_init__(self) -> None:
-        if self.n < 1 or self.max_tokens < 1:
-            raise ValueError(f"n and max_tokens must be >= 1 (got n={self.n}, {self.max_tokens=})")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < -1 or self.top_k == 0:
-            raise ValueError(
-                f"invalid sampling: temperature={self.temperature} (>= 0), top_p={self.top_p} "
-                f"(in (0, 1]), top_k={self.top_k} (-1 or >= 1)"
-            )
-
     @classmethod
     def from_config(cls, config: SamplingConfig, n: int = 1, **overrides: Any) -> SamplingParams:
         """From the ``generation.sampling`` section; ``n`` is ``algorithm.num_generations``."""

@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: runs on servers and CI
-import matplotlib.pyplot as plt
-
 
 def plot_run(records: list[dict[str, Any]], path: Path, title: str = "") -> Path:
     """Reward (train) and accuracy (eval) against step, saved as a PNG at ``path``."""
+    import matplotlib  # (a second's import: not on the way to a config error)
+
+    matplotlib.use("Agg")  # headless: runs on servers and CI
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for key, label, style in (
         ("train/reward_mean", "train reward", "-"),

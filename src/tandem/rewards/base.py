@@ -13,11 +13,12 @@ class RewardFn(Protocol):
     def __call__(self, prompt: str, response: str, answer: str) -> float: ...
 
 
-class RewardError(RuntimeError):
-    """A reward function raised; the message carries the sample that made it fail."""
+class RewardError(ValueError):
+    """A reward function raised, returned a non-number or hung; the message carries the sample
+    (a user's mistake: the CLI exits with status 2)."""
 
 
-def _clip(text: str, limit: int = 500) -> str:
+def clip_text(text: str, limit: int = 500) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
@@ -33,13 +34,13 @@ def checked(fn: RewardFn, name: str | None = None) -> RewardFn:
         except Exception as exc:
             raise RewardError(
                 f"reward {label!r} raised {type(exc).__name__}: {exc}\n"
-                f"  prompt={_clip(prompt)!r}\n  response={_clip(response)!r}\n"
-                f"  answer={_clip(answer)!r}"
+                f"  prompt={clip_text(prompt)!r}\n  response={clip_text(response)!r}\n"
+                f"  answer={clip_text(answer)!r}"
             ) from exc
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise RewardError(
                 f"reward {label!r} returned {type(value).__name__} {value!r}, expected a float "
-                f"(prompt={_clip(prompt)!r}, response={_clip(response)!r})"
+                f"(prompt={clip_text(prompt)!r}, response={clip_text(response)!r})"
             )
         return float(value)
 

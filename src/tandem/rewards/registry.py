@@ -36,7 +36,11 @@ def _import_reward(spec: str) -> RewardFn:
     return fn  # type: ignore[no-any-return]
 
 
+def resolve_reward(spec: str) -> RewardFn:
+    """The reward function named by ``spec``, as the user wrote it."""
+    return BUILTIN_REWARDS.get(spec) or _import_reward(spec)
+
+
 def load_reward(spec: str) -> RewardFn:
     """The reward named by ``spec``, wrapped by ``checked`` so a failure names the sample."""
-    fn = BUILTIN_REWARDS.get(spec) or _import_reward(spec)
-    return checked(fn, name=spec)
+    return checked(resolve_reward(spec), name=spec)

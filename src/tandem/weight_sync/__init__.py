@@ -47,9 +47,6 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-DEFAULT_TIMEOUT_S = 300.0
-"""How long one refit step (a bucket, the rendezvous) may wait for the other side."""
-
 DEFAULT_BUCKET_BYTES = {"cpu": 64 * 2**20, "cuda": 512 * 2**20}
 """``refit.bucket_bytes`` when unset, by the trainer's device type. On a 2-core CPU 64 MiB
 was the fastest of 16 MiB - 1 GiB (`bench/refit.py`); on an H200 512 MiB refits a 1.5B / 8B
@@ -84,16 +81,18 @@ def make_sender(
     *,
     num_receivers: int = 1,
     placement: Literal["colocated", "split"] | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
     host: str = "127.0.0.1",
 ) -> RefitSender:
     """The refit sender of trainer rank 0 (other trainer ranks have none).
 
     ``num_receivers``: generator workers that receive every refit (ranks 1..N).
     ``host``: address the receivers reach the sender's store at (the trainer node's IP when
-    generators run on other nodes). ``timeout_s`` bounds every wait for the other side.
+    generators run on other nodes). ``timeout_s`` bounds every wait for the other side
+    (default: ``config.timeout_s``).
     """
     device = torch.device(device)
+    timeout_s = config.timeout_s if timeout_s is None else timeout_s
     if timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s}; use a positive number of seconds")
     cls: type[RefitSender] = SplitSender

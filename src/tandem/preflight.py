@@ -1,0 +1,114 @@
+"""Checks of a run's inputs that need the files themselves, made before Ray or any actor starts:
+the model folder, its weights, the data files, and the response length against the model's
+context. Numeric bounds are not here: the config models check those when the recipe loads.
+
+Each check raises ``ValueError`` with what is wrong and which key or file to fix (the CLI prints
+it and exits with status 2).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tandem.config.models import DataConfig, GenerationConfig, PolicyConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""One of these makes a folder hold a tokenizer (fast, sentencepiece, or BPE vocab + merges)."""
+
+
+def check_model_folder(path: Path, key: str = "policy.model_path") -> dict[str, Any]:
+    """``path`` is a Hugging Face model folder: config.json, a tokenizer and readable
+    safetensors (or .bin) weights. Returns the parsed config.json."""
+    if not path.exists():
+        raise ValueError(
+            f"{key}: {path} does not exist (a local Hugging Face model folder is expected: "
+            "config.json, tokenizer files, *.safetensors)"
+        )
+    if not path.is_dir():
+        raise ValueError(f"{key}: {path} is a file; point it at the model's folder")
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        missing.append(f"a tokenizer ({' or '.join(TOKENIZER_FILES)})")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights and not any(path.glob("*.bin")):
+        missing.append("weights (*.safetensors)")
+    if missing:
+        raise ValueError(f"{key}: {path} is not a model folder; it has no {', '.join(missing)}")
+    for file in weights:
+        check_safetensors(file)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path / 'config.json'}: not valid JSON ({err.msg})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path / 'config.json'}: expected a JSON object")
+    return config
+
+
+def check_safetensors(file: Path) -> None:
+    """The file's header parses and its tensors cover the file (a truncated copy fails)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), "pt") as handle:
+            handle.keys()
+    except SafetensorError as err:
+        raise ValueError(
+            f"{file}: unreadable safetensors file ({err}); it is truncated or corrupt "
+            "(an interrupted download or copy?)"
+        ) from None
+
+
+def check_data_files(data: DataConfig) -> None:
+    """Every configured data file exists and is not empty."""
+    for key, path in (("data.train_path", data.train_path), ("data.eval_path", data.eval_path)):
+        if path is None:
+            continue
+        if not path.is_file():
+            raise ValueError(f"{key}: data file not found: {path}")
+        if not path.read_bytes().strip():
+            raise ValueError(f"{key}: data file {path} is empty")
+
+
+def check_response_length(model_config: dict[str, Any], generation: GenerationConfig) -> int:
+    """``generation.sampling.max_tokens`` leaves room for a prompt in the model's context.
+    Returns the context length (``max_position_embeddings``), 0 when the config has none."""
+    context = int(model_config.get("max_position_embeddings") or 0)
+    max_tokens = generation.sampling.max_tokens
+    if context and max_tokens >= context:
+        raise ValueError(
+            f"generation.sampling.max_tokens={max_tokens} leaves no room for a prompt: the "
+            f"model's context (max_position_embeddings) is {context} tokens"
+        )
+    return context
+
+
+def check_prompt_lengths(
+    prompt_lengths: list[int], context: int, generation: GenerationConfig
+) -> None:
+    """The longest prompt plus ``max_tokens`` fits the model's context."""
+    if not context or not prompt_lengths:
+        return
+    longest = max(prompt_lengths)
+    max_tokens = generation.sampling.max_tokens
+    if longest + max_tokens > context:
+        raise ValueError(
+            f"the longest prompt has {longest} tokens; with generation.sampling.max_tokens="
+            f"{max_tokens} it exceeds the model's context of {context} tokens: lower max_tokens "
+            f"to at most {context - longest} or shorten the prompts"
+        )
+
+
+def check_run_inputs(policy: PolicyConfig, generation: GenerationConfig, data: DataConfig) -> int:
+    """All the checks of a run's inputs (model folder, data files, the reward's import, the
+    response length); returns the model's context length."""
+    from tandem.rewards.registry import resolve_reward
+
+    model_config = check_model_folder(policy.model_path)
+    check_data_files(data)
+    resolve_reward(data.reward)
+    return check_response_length(model_config, generation)

@@ -1,0 +1,191 @@
+"""Bad inputs to the ``tandem`` command, as a new user makes them: each one ends with exit
+status 2, exactly one error message naming what to fix, and no traceback. All of them fail
+before Ray or any actor starts (the cases that need a running generator are in
+``tests/integration/test_bad_rewards.py``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tandem.assets import DEFAULT_MODEL_DIR
+from tandem.cli import main
+
+Setup = Callable[[Path], list[str]]
+"""Builds whatever the case needs under a temp folder; returns the command's arguments."""
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def _model_copy(tmp: Path, drop: tuple[str, ...] = ()) -> Path:
+    folder = tmp / "model"
+    shutil.copytree(DEFAULT_MODEL_DIR, folder)
+    for name in drop:
+        (folder / name).unlink()
+    return folder
+
+
+def _truncated_model(tmp: Path) -> list[str]:
+    folder = _model_copy(tmp)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return ["grpo", f"policy.model_path={folder}"]
+
+
+def _jsonl(tmp: Path, text: str, extra: tuple[str, ...] = ()) -> list[str]:
+    path = _write(tmp / "train.jsonl", text)
+    return ["grpo", "data.task=jsonl", f"data.train_path={path}", *extra]
+
+
+GOOD_ROW = '{"question": "1+1=", "answer": "2"}\n'
+
+CASES: dict[str, tuple[Setup, str]] = {
+    # config: keys, types, bounds, recipes
+    "unknown key": (lambda t: ["grpo", "policy.optimizer.lrr=1e-3"], "policy.optimizer.lrr"),
+    "wrong type": (lambda t: ["grpo", "algorithm.num_steps=many"], "algorithm.num_steps"),
+    "not an allowed value": (lambda t: ["grpo", "cluster.placement=sideways"], "'split'"),
+    "top_k=0": (lambda t: ["grpo", "generation.sampling.top_k=0"], "top_k=0"),
+    "clip_low>=1": (lambda t: ["grpo", "algorithm.clip_low=1.0"], "algorithm.clip_low"),
+    "negative lr": (lambda t: ["grpo", "policy.optimizer.lr=-1"], "policy.optimizer.lr"),
+    "top_p=0": (lambda t: ["grpo", "generation.sampling.top_p=0"], "sampling.top_p"),
+    "no generations": (lambda t: ["grpo", "algorithm.num_generations=0"], "num_generations"),
+    "negative temperature": (lambda t: ["grpo", "generation.sampling.temperature=-1"], "temp"),
+    "dual clip <= 1": (lambda t: ["grpo", "algorithm.dual_clip=1.0"], "algorithm.dual_clip"),
+    "invalid_reward": (lambda t: ["grpo", "data.invalid_reward=maybe"], "data.invalid_reward"),
+    "fp8 on hf": (
+        lambda t: ["grpo", "generation.backend=hf", "generation.precision=fp8"],
+        "precision=fp8 needs",
+    ),
+    "jsonl without a file": (lambda t: ["grpo", "data.task=jsonl"], "data.train_path"),
+    "sft unknown key": (lambda t: ["sft", "algorithm.batchsize=4"], "algorithm.batchsize"),
+    "override without =": (lambda t: ["grpo", "algorithm.num_steps"], "section.key=value"),
+    "missing recipe": (lambda t: ["grpo", "--config", "nope.yaml"], "recipe file not found"),
+    "recipe not YAML": (
+        lambda t: ["grpo", "--config", str(_write(t / "r.yaml", "a: [1,\n"))],
+        "not valid YAML",
+    ),
+    "recipe not a mapping": (
+        lambda t: ["grpo", "--config", str(_write(t / "r.yaml", "- 1\n"))],
+        "must be a mapping",
+    ),
+    # models
+    "model path missing": (lambda t: ["grpo", f"policy.model_path={t}/none"], "does not exist"),
+    "model path is a file": (
+        lambda t: ["grpo", f"policy.model_path={_write(t / 'f', 'x')}"],
+        "is a file",
+    ),
+    "empty model folder": (
+        lambda t: ["grpo", f"policy.model_path={t}"],
+        "it has no config.json, a tokenizer",
+    ),
+    "no tokenizer": (
+        lambda t: [
+            "grpo",
+            f"policy.model_path={_model_copy(t, ('tokenizer.json', 'tokenizer_config.json'))}",
+        ],
+        "it has no a tokenizer",
+    ),
+    "no weights": (
+        lambda t: ["grpo", f"policy.model_path={_model_copy(t, ('model.safetensors',))}"],
+        "weights (*.safetensors)",
+    ),
+    "truncated weights": (_truncated_model, "truncated or corrupt"),
+    "max_tokens beyond the context": (
+        lambda t: ["grpo", "generation.sampling.max_tokens=100000"],
+        "max_position_embeddings",
+    ),
+    "sft max_tokens beyond the context": (
+        lambda t: ["sft", "generation.sampling.max_tokens=256"],
+        "leaves no room for a prompt",
+    ),
+    # data
+    "data file missing": (
+        lambda t: [*_jsonl(t, GOOD_ROW)[:-1], f"data.train_path={t}/no.jsonl"],
+        "not found",
+    ),
+    "empty data file": (lambda t: _jsonl(t, ""), "train.jsonl is empty"),
+    "blank data file": (lambda t: _jsonl(t, "\n\n"), "train.jsonl is empty"),
+    "empty eval file": (
+        lambda t: _jsonl(t, GOOD_ROW, (f"data.eval_path={_write(t / 'eval.jsonl', '')}",)),
+        "data.eval_path",
+    ),
+    "bad JSON line": (lambda t: _jsonl(t, GOOD_ROW + "{oops\n"), "train.jsonl:2: not valid JSON"),
+    "missing column": (lambda t: _jsonl(t, '{"q": "1+1=", "answer": "2"}\n'), "missing key"),
+    # rewards
+    "unknown reward": (lambda t: ["grpo", "data.reward=nonsense"], "neither a built-in"),
+    "reward module missing": (lambda t: ["grpo", "data.reward=no_such_mod:f"], "cannot import"),
+    "reward attribute missing": (
+        lambda t: ["grpo", "data.reward=tandem.rewards.exact_match:nope"],
+        "has no attribute 'nope'",
+    ),
+    # resume and export
+    "resume without a run": (
+        lambda t: ["grpo", "--resume", f"logging.run_dir={t}"],
+        "--resume: no grpo run with a checkpoint",
+    ),
+    "sft resume without a run": (
+        lambda t: ["sft", "--resume", f"logging.run_dir={t}", "logging.name=x"],
+        "--resume: no complete checkpoint",
+    ),
+    "export of no checkpoint": (lambda t: ["export", str(t), str(t / "out")], "not a complete"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_exits_2_with_one_message(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In this process through ``cli.main`` (what the console script calls): fast."""
+    setup, expected = CASES[case]
+    args = setup(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAY_ADDRESS", "")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.count(": error: ") == 1, err
+    assert expected in err, err
+    assert not (tmp_path / "runs").exists()  # nothing was started, nothing written
+
+
+@pytest.mark.parametrize("case", ["top_k=0", "truncated weights"])
+def test_the_console_command_exits_2_without_a_traceback(case: str, tmp_path: Path) -> None:
+    setup, expected = CASES[case]
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", *setup(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "RAY_ADDRESS": ""},
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count(": error: ") == 1 and expected in result.stderr
+
+
+def test_help_config_lists_every_key_with_type_default_and_doc() -> None:
+    from tandem.config import GrpoConfig
+    from tandem.config.help import describe_config
+
+    text = describe_config(GrpoConfig)
+    for key in ("policy.optimizer.lr: float = 1e-05", "data.invalid_reward:", "refit.timeout_s"):
+        assert key in text
+    assert "Peak learning rate of AdamW." in text
+    assert "kv_scale_recalibrate_every" not in text
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "sft", "--help-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0 and "algorithm.batch_size: int = 32" in result.stdout
