@@ -295,5 +295,9 @@ def evaluate(
     scores = score_rollouts(source.reward, prompts, rollouts, source.decode)
     return {
         "eval/accuracy": sum(scores.rewards) / len(scores.rewards),
-        **{f"eval/{key.split('/')[-1]}": value for key, value in scores.metrics.items()},
+        **{
+            f"eval/{key.removeprefix('reward/')}": value
+            for key, value in scores.metrics.items()
+            if key.startswith("reward/")
+        },
     }
