@@ -88,7 +88,7 @@ class Checkpoints:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def check_resumable(config: GrpoConfig | SftConfig, kind: str) -> None:
+def check_resumable(config: GrpoConfig | SftConfig | DpoConfig, kind: str) -> None:
     """``--resume`` finds a complete checkpoint to continue (checked before anything starts)."""
     run_dir = make_run_dir(config.logging, kind, resume=True)
     if Checkpoints(run_dir, config.checkpoint).latest() is None:
@@ -277,6 +277,11 @@ def run_dpo(config: DpoConfig, resume: bool = False) -> list[dict[str, Any]]:
     """DPO / IPO on preference pairs against a frozen reference (the starting policy). Each
     evaluation scores the held-out pairs and, on the arithmetic task, refits a generator and
     measures greedy accuracy on the held-out prompts."""
+    from tandem.preflight import check_run_inputs
+
+    check_run_inputs(config.policy, config.generation, config.data)  # before torch
+    if resume:
+        check_resumable(config, "dpo")
     from tandem.algorithms.dpo import dpo_step, score_pairs, summary
     from tandem.algorithms.grpo import evaluate
     from tandem.cluster.runtime import Runtime, RuntimeSpec

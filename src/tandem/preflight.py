@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tandem.config.models import DataConfig, GenerationConfig, PolicyConfig
+from tandem.config.models import DataConfig, GenerationConfig, PolicyConfig, PreferenceDataConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 """One of these makes a folder hold a tokenizer (fast, sentencepiece, or BPE vocab + merges)."""
@@ -63,7 +63,7 @@ def check_safetensors(file: Path) -> None:
         ) from None
 
 
-def check_data_files(data: DataConfig) -> None:
+def check_data_files(data: DataConfig | PreferenceDataConfig) -> None:
     """Every configured data file exists and is not empty."""
     for key, path in (("data.train_path", data.train_path), ("data.eval_path", data.eval_path)):
         if path is None:
@@ -103,12 +103,15 @@ def check_prompt_lengths(
         )
 
 
-def check_run_inputs(policy: PolicyConfig, generation: GenerationConfig, data: DataConfig) -> int:
+def check_run_inputs(
+    policy: PolicyConfig, generation: GenerationConfig, data: DataConfig | PreferenceDataConfig
+) -> int:
     """All the checks of a run's inputs (model folder, data files, the reward's import, the
     response length); returns the model's context length."""
     from tandem.rewards.registry import resolve_reward
 
     model_config = check_model_folder(policy.model_path)
     check_data_files(data)
-    resolve_reward(data.reward)
+    if isinstance(data, DataConfig):
+        resolve_reward(data.reward)
     return check_response_length(model_config, generation)

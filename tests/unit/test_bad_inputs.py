@@ -60,6 +60,17 @@ CASES: dict[str, tuple[Setup, str]] = {
     "no generations": (lambda t: ["grpo", "algorithm.num_generations=0"], "num_generations"),
     "negative temperature": (lambda t: ["grpo", "generation.sampling.temperature=-1"], "temp"),
     "dual clip <= 1": (lambda t: ["grpo", "algorithm.dual_clip=1.0"], "algorithm.dual_clip"),
+    "correction_low=0": (lambda t: ["grpo", "algorithm.correction_low=0"], "correction_low"),
+    "correction_high<1": (lambda t: ["grpo", "algorithm.correction_high=0.5"], "correction_high"),
+    "dpo beta=0": (lambda t: ["dpo", "algorithm.beta=0"], "algorithm.beta"),
+    "dpo empty pairs file": (
+        lambda t: ["dpo", "data.task=file", f"data.train_path={_write(t / 'p.jsonl', '')}"],
+        "p.jsonl is empty",
+    ),
+    "dpo resume without a run": (
+        lambda t: ["dpo", "--resume", f"logging.run_dir={t}"],
+        "--resume: no dpo run with a checkpoint",
+    ),
     "invalid_reward": (lambda t: ["grpo", "data.invalid_reward=maybe"], "data.invalid_reward"),
     "fp8 on hf": (
         lambda t: ["grpo", "generation.backend=hf", "generation.precision=fp8"],

@@ -133,8 +133,8 @@ class RolloutPipeline:
         for rollout in rollouts:
             rollout.policy_version = generation.version
         params = rollout_params(self.config, generation.step)
-        rewards = score(self.config, self.source, generation.prompts, rollouts, params)
-        self.done[generation.step] = (generation, Groups(rollouts, rewards, {}))
+        rewards, scoring = score(self.config, self.source, generation.prompts, rollouts, params)
+        self.done[generation.step] = (generation, Groups(rollouts, rewards, scoring))
 
     def _take(self, step: int) -> tuple[_Generation, Groups]:
         if step not in self.done:

@@ -168,9 +168,9 @@ def _generate(
     or the rounds run out (DAPO's dynamic sampling)."""
     algo = config.algorithm
     n = algo.num_generations
-    rollouts, rewards = _generate_round(runtime, config, source, prompts, step, 0)
+    rollouts, rewards, scoring = _generate_round(runtime, config, source, prompts, step, 0)
     if not (algo.filter_zero_variance_groups and algo.refill_rounds > 0):
-        return Groups(rollouts, rewards, {})
+        return Groups(rollouts, rewards, scoring)
     generated = len(prompts)
     kept_rollouts: list[Rollout] = []
     kept_rewards: list[float] = []
@@ -187,8 +187,12 @@ def _generate(
         rounds += 1
         more = source.refill_prompts(step, rounds, missing)
         generated += len(more)
-        rollouts, rewards = _generate_round(runtime, config, source, more, step, rounds)
+        rollouts, rewards, more_scoring = _generate_round(
+            runtime, config, source, more, step, rounds
+        )
+        scoring = {key: value + more_scoring.get(key, 0.0) for key, value in scoring.items()}
     metrics = {
+        **scoring,
         "train/refill_rounds": float(rounds),
         "train/kept_group_frac": len(kept_rewards) / n / generated,
     }
@@ -204,10 +208,11 @@ def _generate_round(
     prompts: list[dict[str, str]],
     step: int,
     round_index: int,
-) -> tuple[list[Rollout], list[float]]:
+) -> tuple[list[Rollout], list[float], dict[str, float]]:
+    """Rollouts of ``prompts``, their rewards and the scorer's metrics."""
     params = rollout_params(config, step, round_index)
     rollouts = runtime.generate([source.encode(p["prompt"]) for p in prompts], params)
-    return rollouts, score(config, source, prompts, rollouts, params)
+    return rollouts, *score(config, source, prompts, rollouts, params)
 
 
 def rollout_params(config: GrpoConfig, step: int, round_index: int = 0) -> SamplingParams:
@@ -227,17 +232,19 @@ def score(
     prompts: list[dict[str, str]],
     rollouts: list[Rollout],
     params: SamplingParams,
-) -> list[float]:
-    """Each rollout's reward, less DAPO's overlong penalty when configured."""
+) -> tuple[list[float], dict[str, float]]:
+    """Each rollout's reward, less DAPO's overlong penalty when configured, and the scorer's
+    metrics (invalid and timed-out rewards, the seconds scoring took)."""
     algo = config.algorithm
-    rewards = score_rollouts(source.reward, prompts, rollouts, source.decode).rewards
+    scores = score_rollouts(source.reward, prompts, rollouts, source.decode)
+    rewards = scores.rewards
     if algo.overlong_buffer > 0:
         lengths = torch.tensor([len(r.response_token_ids) for r in rollouts])
         penalty = overlong_penalty(
             lengths, params.max_tokens, algo.overlong_buffer, algo.overlong_penalty
         )
         rewards = [r - float(p) for r, p in zip(rewards, penalty, strict=True)]
-    return rewards
+    return rewards, scores.metrics
 
 
 def _token_advantages(

@@ -37,12 +37,23 @@ class Scores:
     """What scoring cost and how many samples were invalid or timed out."""
 
 
-def _score_one(spec: str, sample: Sample) -> tuple[str, Any]:
-    """Runs in a worker: ("ok", float) | ("invalid", description) | ("raised", traceback)."""
+def _load(spec: str) -> RewardFn:
+    """The reward of ``spec``, imported once per (worker) process."""
     fn = _LOADED.get(spec)
     if fn is None:
         fn = _LOADED[spec] = resolve_reward(spec)
-    return _call(fn, sample)
+    return fn
+
+
+def _warm_up(spec: str) -> None:
+    """A worker's first task: the import done, and long enough that each worker takes one."""
+    _load(spec)
+    time.sleep(0.05)
+
+
+def _score_one(spec: str, sample: Sample) -> tuple[str, Any]:
+    """Runs in a worker: ("ok", float) | ("invalid", description) | ("raised", traceback)."""
+    return _call(_load(spec), sample)
 
 
 def _call(fn: Callable[[str, str, str], float], sample: Sample) -> tuple[str, Any]:
@@ -139,6 +150,8 @@ class RewardScorer:
         if self._pool is None:
             # spawn: the driver holds Ray's threads, which a fork would copy mid-state
             self._pool = multiprocessing.get_context("spawn").Pool(self.num_workers)
+            # started and imported before any sample's time counts
+            self._pool.map(_warm_up, [self.spec] * self.num_workers, chunksize=1)
         return self._pool
 
     def _describe(self, sample: Sample) -> str:
