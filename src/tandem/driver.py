@@ -168,7 +168,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
 
 
 def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
-    from tandem.preflight import check_run_inputs
+    from tandem.preflight import check_episode_length, check_run_inputs
 
     context = check_run_inputs(config.policy, config.generation, config.data)  # before torch
     if resume:
@@ -186,7 +186,10 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
         with_reference=algo.kl_coef > 0,
         total_steps=algo.num_steps * algo.ppo_epochs * algo.num_minibatches,  # optimizer steps
     )
-    with runtime_and_prompts(config, spec, context) as (runtime, source):
+    if config.environment is not None:
+        check_episode_length(config.environment.max_tokens, context)
+    with runtime_and_prompts(config, spec, context) as (runtime, source), environments(config) as envs:
+        source.environments = envs
 
         def step_fn(step: int) -> dict[str, float]:
             if pipeline is not None:
@@ -201,12 +204,37 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
             if pipeline is not None:
                 pipeline.sync_weights()  # evaluate the policy just trained
             sampling = config.generation.sampling
-            return evaluate(runtime, source, config.data.num_eval_prompts, sampling)
+            return evaluate(runtime, source, config.data.num_eval_prompts, sampling, config)
 
         pipeline = RolloutPipeline(runtime, config, source) if algo.max_staleness > 0 else None
         return run_loop(
             config, "grpo", runtime, algo.num_steps, algo.eval_every, step_fn, eval_fn, resume
         )
+
+
+@contextmanager
+def environments(config: GrpoConfig) -> Iterator[Any]:
+    """The environment actors of a multi-turn run (None without an environment section)."""
+    env = config.environment
+    if env is None:
+        yield None
+        return
+    from tandem.cluster.env_pool import EnvironmentPool
+
+    pool = EnvironmentPool(
+        env.name,
+        env.kwargs,
+        num_workers=env.num_workers,
+        step_timeout_s=env.step_timeout_s,
+        kind=env.actor_kind,
+        env_mode=config.cluster.env_mode,
+        max_concurrency=env.episodes_per_worker,
+        num_cpus=env.cpus_per_worker,
+    )
+    try:
+        yield pool
+    finally:
+        pool.shutdown()
 
 
 @contextmanager
@@ -226,7 +254,8 @@ def runtime_and_prompts(
     scorer = RewardScorer(
         data.reward, data.num_reward_workers, data.reward_timeout_s, data.invalid_reward
     )
-    train, eval_items = load_prompt_items(data, seed)
+    environment = config.environment if isinstance(config, GrpoConfig) else None
+    train, eval_items = load_prompt_items(data, seed, environment=environment)
     with scorer, ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer = pool.submit(load_tokenizer, config.policy.model_path)
         with Runtime.start(spec) as runtime:

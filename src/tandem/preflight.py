@@ -103,6 +103,15 @@ def check_prompt_lengths(
         )
 
 
+def check_episode_length(max_tokens: int, context: int) -> None:
+    """A multi-turn episode (``environment.max_tokens``) fits the model's context."""
+    if context and max_tokens > context:
+        raise ValueError(
+            f"environment.max_tokens={max_tokens} exceeds the model's context of {context} "
+            "tokens (max_position_embeddings): lower it"
+        )
+
+
 def check_run_inputs(
     policy: PolicyConfig, generation: GenerationConfig, data: DataConfig | PreferenceDataConfig
 ) -> int:

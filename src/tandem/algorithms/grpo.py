@@ -22,11 +22,18 @@ from tandem.algorithms.advantages import (
     token_advantages,
 )
 from tandem.algorithms.losses import KL_ESTIMATORS, ClippedPolicyLoss, PolicyLossConfig
+from tandem.algorithms.multiturn import (
+    EpisodeLimits,
+    episode_metrics,
+    episode_rollout,
+    run_episodes,
+)
 from tandem.algorithms.protocols import LossFn, RolloutRuntime
 from tandem.algorithms.rollouts import rollouts_to_batch, score_rollouts
 from tandem.config.models import GrpoConfig, SamplingConfig
 from tandem.data.batch import TrainBatch
 from tandem.data.prompts import PromptSource
+from tandem.data.turns import TurnEncoder
 from tandem.generation.base import Rollout, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -209,10 +216,39 @@ def _generate_round(
     step: int,
     round_index: int,
 ) -> tuple[list[Rollout], list[float], dict[str, float]]:
-    """Rollouts of ``prompts``, their rewards and the scorer's metrics."""
+    """Rollouts of ``prompts``, their rewards and the scorer's metrics (multi-turn episodes
+    and the environments' rewards with an ``environment`` section)."""
     params = rollout_params(config, step, round_index)
+    if config.environment is not None:
+        return episode_round(runtime, config, source, prompts, params)
     rollouts = runtime.generate([source.encode(p["prompt"]) for p in prompts], params)
     return rollouts, *score(config, source, prompts, rollouts, params)
+
+
+def episode_round(
+    runtime: RolloutRuntime,
+    config: GrpoConfig,
+    source: PromptSource,
+    prompts: list[dict[str, str]],
+    params: SamplingParams,
+) -> tuple[list[Rollout], list[float], dict[str, float]]:
+    """``params.n`` episodes per prompt against ``source.environments``, as rollouts (the
+    environments' turns masked out), their summed rewards and the episodes' metrics."""
+    env = config.environment
+    assert env is not None
+    if source.environments is None:
+        raise ValueError("config.environment is set but the prompt source has no environments")
+    episodes = run_episodes(
+        prompts,
+        params.n,
+        runtime.generate,
+        source.environments,
+        TurnEncoder(source.tokenizer, env.chat_template),
+        params,
+        EpisodeLimits(max_turns=env.max_turns, max_tokens=env.max_tokens),
+    )
+    rollouts = [episode_rollout(e, source.pad_token_id) for e in episodes]
+    return rollouts, [e.reward for e in episodes], episode_metrics(episodes)
 
 
 def rollout_params(config: GrpoConfig, step: int, round_index: int = 0) -> SamplingParams:
@@ -291,13 +327,24 @@ def _update(
 
 
 def evaluate(
-    runtime: RolloutRuntime, source: PromptSource, num_prompts: int, sampling: SamplingConfig
+    runtime: RolloutRuntime,
+    source: PromptSource,
+    num_prompts: int,
+    sampling: SamplingConfig,
+    config: GrpoConfig | None = None,
 ) -> dict[str, float]:
-    """Greedy accuracy on the fixed held-out prompts."""
+    """Greedy accuracy on the fixed held-out prompts (multi-turn, with ``config.environment``:
+    the share of episodes with a positive reward, and the mean reward)."""
     prompts = source.eval_prompts(num_prompts)
     params = SamplingParams(
         temperature=0.0, max_tokens=sampling.max_tokens, stop=tuple(sampling.stop)
     )
+    if config is not None and config.environment is not None:
+        _, rewards, _ = episode_round(runtime, config, source, prompts, params)
+        return {
+            "eval/accuracy": sum(r > 0 for r in rewards) / len(rewards),
+            "eval/reward_mean": sum(rewards) / len(rewards),
+        }
     rollouts = runtime.generate([source.encode(p["prompt"]) for p in prompts], params)
     scores = score_rollouts(source.reward, prompts, rollouts, source.decode)
     return {

@@ -34,7 +34,8 @@ def score_rollouts(
 
 
 def rollouts_to_batch(rollouts: Sequence[Rollout], pad_token_id: int) -> TrainBatch:
-    """Right-padded prompt+response batch; the loss covers the response tokens only."""
+    """Right-padded prompt+response batch; the loss covers the response tokens only (the
+    generated ones of a multi-turn episode: ``Rollout.response_mask``)."""
     lengths = [len(r.prompt_token_ids) + len(r.response_token_ids) for r in rollouts]
     size, width = len(rollouts), max(lengths)
     input_ids = torch.full((size, width), pad_token_id, dtype=torch.long)
@@ -46,7 +47,8 @@ def rollouts_to_batch(rollouts: Sequence[Rollout], pad_token_id: int) -> TrainBa
         start, end = len(prompt), len(prompt) + len(response)
         input_ids[row, :end] = torch.tensor([*prompt, *response], dtype=torch.long)
         attention_mask[row, :end] = 1
-        loss_mask[row, start:end] = 1.0
+        mask = rollout.response_mask
+        loss_mask[row, start:end] = 1.0 if mask is None else torch.tensor(mask, dtype=torch.float32)
         generator_logprobs[row, start:end] = torch.tensor(
             rollout.response_logprobs, dtype=torch.float32
         )

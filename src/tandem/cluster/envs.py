@@ -80,6 +80,9 @@ REGISTRY: dict[str, EnvSpec | Callable[[], EnvSpec]] = {
     "driver": EnvSpec("driver"),
     "trainer": EnvSpec("trainer", ("train",)),
     "generator": _generator_spec,
+    # environments of multi-turn rollouts: the driver's dependencies (the same environment);
+    # register a kind with extras for one that needs packages (environment.actor_kind)
+    "environment": EnvSpec("driver"),
 }
 
 

@@ -8,7 +8,7 @@ and the docs show.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -242,8 +242,9 @@ class AlgorithmConfig(Section):
 
 
 class DataConfig(Section):
-    task: Literal["arithmetic", "jsonl"] = "arithmetic"
-    """arithmetic: the embedded synthetic task; jsonl: prompts from a file (train_path)."""
+    task: Literal["arithmetic", "jsonl", "environment"] = "arithmetic"
+    """arithmetic: the embedded synthetic task; jsonl: prompts from a file (train_path);
+    environment: the samples of the ``environment`` section's environment (its ``samples``)."""
     train_path: Path | None = None
     """JSONL/Parquet file of training prompts (task=jsonl)."""
     eval_path: Path | None = None
@@ -302,6 +303,40 @@ class CheckpointConfig(Section):
     tokenizer, safetensors) to ``<run>/hf``."""
 
 
+class EnvironmentConfig(Section):
+    """Multi-turn episodes against an environment (``tandem.environments``)."""
+
+    name: str
+    """calculator, guess_number, or an import path 'package.module:Class'."""
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments of the environment's constructor (and of its ``samples``)."""
+    max_turns: int = Field(4, ge=1)
+    """Model turns per episode."""
+    max_tokens: int = Field(256, ge=2)
+    """Tokens of a whole episode (prompt, model and environment turns); at most the model's
+    context. ``generation.sampling.max_tokens`` bounds one model turn."""
+    step_timeout_s: float = Field(30.0, gt=0)
+    """An environment call that takes longer ends its episode with an error (env/errors)."""
+    num_workers: int = Field(1, ge=1)
+    """Environment actors; episodes are spread over them."""
+    episodes_per_worker: int = Field(64, ge=1)
+    """Concurrent calls one environment actor runs (its threads)."""
+    cpus_per_worker: float = Field(0.0, ge=0)
+    """CPUs Ray reserves for each environment actor (0: light environments share the node)."""
+    actor_kind: str = "environment"
+    """Actor kind of the environment actors in the environment registry (cluster/envs.py):
+    register a kind with extras for an environment that needs packages."""
+    chat_template: bool | None = None
+    """Format turns with the tokenizer's chat template; None: when the tokenizer has one."""
+
+    @model_validator(mode="after")
+    def _known_environment(self) -> EnvironmentConfig:
+        from tandem.environments.base import environment_class
+
+        environment_class(self.name)  # a ValueError naming the environment and the built-ins
+        return self
+
+
 class GrpoConfig(Section):
     """A whole GRPO run."""
 
@@ -313,6 +348,24 @@ class GrpoConfig(Section):
     data: DataConfig = DataConfig()
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    environment: EnvironmentConfig | None = None
+    """Multi-turn rollouts against an environment; None: one response per prompt."""
+
+    @model_validator(mode="after")
+    def _environment_task(self) -> GrpoConfig:
+        if self.data.task == "environment" and self.environment is None:
+            raise ValueError("data.task is 'environment' but there is no environment section")
+        if self.environment is not None and self.algorithm.max_staleness > 0:
+            raise ValueError(
+                "multi-turn rollouts (an environment section) run synchronously: set "
+                "algorithm.max_staleness=0"
+            )
+        if self.environment is not None and self.algorithm.overlong_buffer > 0:
+            raise ValueError(
+                "algorithm.overlong_buffer applies to single responses: set it to 0 with an "
+                "environment section (environment.max_tokens bounds an episode)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _async_needs_split(self) -> GrpoConfig:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tandem.config.models import DataConfig
+from tandem.config.models import DataConfig, EnvironmentConfig
 
 RewardFn = Callable[[str, str, str], float]
 
@@ -37,6 +37,9 @@ class PromptSource:
         self.tokenizer = tokenizer
         self.reward = reward
         self.seed = seed
+        self.environments: Any = None
+        """Multi-turn runs: where the environments live (an ``EnvironmentRunner``, set by the
+        driver); the environments give the rewards then, not ``reward``."""
 
     @property
     def pad_token_id(self) -> int:
@@ -75,17 +78,28 @@ class PromptSource:
 
 
 def make_prompt_source(
-    config: DataConfig, model_path: Path, reward: RewardFn, seed: int, num_train: int = 20000
+    config: DataConfig,
+    model_path: Path,
+    reward: RewardFn,
+    seed: int,
+    num_train: int = 20000,
+    environment: EnvironmentConfig | None = None,
 ) -> PromptSource:
-    train, eval_items = load_prompt_items(config, seed, num_train)
+    train, eval_items = load_prompt_items(config, seed, num_train, environment)
     return PromptSource(train, eval_items, load_tokenizer(model_path), reward, seed)
 
 
 def load_prompt_items(
-    config: DataConfig, seed: int, num_train: int = 20000
+    config: DataConfig,
+    seed: int,
+    num_train: int = 20000,
+    environment: EnvironmentConfig | None = None,
 ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """The training and held-out prompts of ``config`` (the embedded task's, or a file's, read
-    and checked row by row)."""
+    """The training and held-out prompts of ``config`` (the embedded task's, the environment's,
+    or a file's, read and checked row by row)."""
+    if config.task == "environment":
+        assert environment is not None  # checked by GrpoConfig
+        return environment_samples(environment, seed, num_train, config.num_eval_prompts)
     if config.task == "arithmetic":
         from tandem.data.arithmetic import ArithmeticTask
 
@@ -103,6 +117,24 @@ def load_tokenizer(model_path: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_path))
+
+
+def environment_samples(
+    environment: EnvironmentConfig, seed: int, num_train: int, num_eval: int
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """Training and held-out samples from the environment class's ``samples``."""
+    from tandem.environments.base import environment_class
+
+    cls = environment_class(environment.name)
+    samples = getattr(cls, "samples", None)
+    if samples is None:
+        raise ValueError(
+            f"data.task is 'environment' but environment {environment.name!r} has no samples() "
+            "method; use data.task: jsonl with prompt and answer columns instead"
+        )
+    train = samples(num_train, seed, held_out=False, **environment.kwargs)
+    eval_items = samples(num_eval, seed, held_out=True, **environment.kwargs)
+    return list(train), list(eval_items)
 
 
 def load_prompt_file(path: Path, config: DataConfig) -> list[dict[str, str]]:

@@ -76,6 +76,9 @@ class Rollout:
     response_logprobs: list[float] = field(default_factory=list)
     """Raw-model logprob of each token of ``response_token_ids`` (see the module docstring)."""
     finish_reason: FinishReason = "length"
+    response_mask: list[int] | None = None
+    """Multi-turn episodes: 1 on the tokens the model generated, 0 on those the environment's
+    turns added (never trained on); None: every response token is generated."""
     policy_version: int = 0
     """Optimizer steps of the weights that generated it (set by the rollout pipeline)."""
 
