@@ -37,11 +37,14 @@ class EnvironmentPool:
         env_mode: str | None = None,
         max_concurrency: int = 64,
         num_cpus: float = 0.0,
+        env_vars: dict[str, str] | None = None,
     ):
+        """``env_vars`` are added to the actors' environment (e.g. ``PYTHONPATH`` for an
+        environment class outside tandem)."""
         self.name, self.kwargs = name, dict(kwargs or {})
         self.step_timeout_s = step_timeout_s
         self._options = {
-            "runtime_env": runtime_env_for(kind, env_mode),
+            "runtime_env": runtime_env_for(kind, env_mode, env_vars),
             "max_concurrency": max_concurrency,
             "num_cpus": num_cpus,
         }
