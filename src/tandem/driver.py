@@ -188,7 +188,10 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
     )
     if config.environment is not None:
         check_episode_length(config.environment.max_tokens, context)
-    with runtime_and_prompts(config, spec, context) as (runtime, source), environments(config) as envs:
+    with (
+        runtime_and_prompts(config, spec, context) as (runtime, source),
+        environments(config) as envs,
+    ):
         source.environments = envs
 
         def step_fn(step: int) -> dict[str, float]:
