@@ -64,9 +64,9 @@ class CountingGenerator(GeneratorWorker):
         super().__init__(**kwargs)
         self.prompts_seen: list[int] = []
 
-    def generate(self, prompt_token_ids: list[list[int]], params: Any) -> list[Any]:
+    def generate_timed(self, prompt_token_ids: list[list[int]], params: Any) -> Any:
         self.prompts_seen.append(len(prompt_token_ids))
-        return super().generate(prompt_token_ids, params)
+        return super().generate_timed(prompt_token_ids, params)
 
 
 def _run(config: GrpoConfig, steps: int = 2) -> tuple[list[dict[str, float]], Any, Any]:
