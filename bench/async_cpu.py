@@ -1,0 +1,101 @@
+"""Async GRPO against the synchronous loop on this CPU machine, at equal resources, runs
+alternating (sync, async, sync, async, ...).
+
+Both run the ``grpo_async`` recipe (split placement, one trainer and one generator, one thread
+each) with the same prompts, seeds and steps; the synchronous run sets
+``algorithm.max_staleness=0``. A run's throughput is its samples (prompts x generations) over the
+seconds of its steps after the first (``timing/step_s``: generation, training and refit, not
+evaluation); its reward curve is ``train/reward_mean`` per step, and the held-out greedy accuracy
+at the start and the end. One JSON line per run, then the medians over rounds, their spread and
+the ratio.
+
+    ./run.sh python bench/async_cpu.py [--rounds 2] [--steps 40] [--max-staleness 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ceilings import emit
+
+
+def run(mode: str, steps: int, staleness: int, root: Path, index: int) -> dict:
+    name = f"{mode}-{index}"
+    overrides = [
+        f"algorithm.max_staleness={staleness if mode == 'async' else 0}",
+        f"algorithm.num_steps={steps}",
+        f"algorithm.eval_every={steps}",
+        "cluster.env_mode=shared",
+        "checkpoint.enabled=false",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        f"logging.run_dir={root}",
+        f"logging.name={name}",
+    ]
+    command = [sys.executable, "-m", "tandem", "grpo", "-c", "grpo_async", *overrides]
+    out = subprocess.run(command, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{mode} run failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    records = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().split()]
+    train = [r for r in records if "timing/step_s" in r]
+    algo = json.loads((root / name / "config.json").read_text())["algorithm"]
+    samples = len(train[1:]) * algo["prompts_per_step"] * algo["num_generations"]
+    seconds = sum(r["timing/step_s"] for r in train[1:])
+    rewards = [round(r["train/reward_mean"], 4) for r in train]
+    return {
+        "mode": mode,
+        "round": index,
+        "samples_per_s": samples / seconds,
+        "step_s_median": statistics.median(r["timing/step_s"] for r in train[1:]),
+        "trainer_idle_s_mean": mean_of(train, "timing/trainer_idle_s"),
+        "generator_idle_s_mean": mean_of(train, "timing/generator_idle_s"),
+        "staleness_mean": mean_of(train, "async/staleness_mean"),
+        "reward_first10": statistics.mean(rewards[:10]),
+        "reward_last10": statistics.mean(rewards[-10:]),
+        "eval_start": records[0].get("eval/accuracy"),
+        "eval_end": records[-1].get("eval/accuracy"),
+        "rewards": rewards,
+    }
+
+
+def mean_of(records: list[dict], key: str) -> float:
+    """Mean of ``key`` over the records (0 where a mode does not log it)."""
+    return statistics.mean(r.get(key, 0.0) for r in records)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--max-staleness", type=int, default=1)
+    args = parser.parse_args()
+    results: dict[str, list[dict]] = {"sync": [], "async": []}
+    with tempfile.TemporaryDirectory(prefix="async-bench-") as tmp:
+        for index in range(args.rounds):
+            for mode in ("sync", "async"):
+                record = run(mode, args.steps, args.max_staleness, Path(tmp), index)
+                results[mode].append(record)
+                emit({"bench": "async_cpu", **record})
+    summary: dict[str, float | list[float]] = {}
+    for mode, runs in results.items():
+        rates = [r["samples_per_s"] for r in runs]
+        summary[f"{mode}_samples_per_s_median"] = statistics.median(rates)
+        summary[f"{mode}_samples_per_s_spread"] = max(rates) - min(rates)
+        summary[f"{mode}_reward_last10_median"] = statistics.median(
+            r["reward_last10"] for r in runs
+        )
+    pairs = zip(results["sync"], results["async"], strict=True)
+    ratios = [a["samples_per_s"] / s["samples_per_s"] for s, a in pairs]
+    summary["ratio_per_round"] = ratios
+    summary["ratio_median"] = statistics.median(ratios)
+    emit({"bench": "async_cpu", "summary": True, "max_staleness": args.max_staleness, **summary})
+
+
+if __name__ == "__main__":
+    main()
