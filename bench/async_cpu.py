@@ -39,7 +39,10 @@ def run(mode: str, steps: int, staleness: int, root: Path, index: int) -> dict:
         f"logging.name={name}",
     ]
     command = [sys.executable, "-m", "tandem", "grpo", "-c", "grpo_async", *overrides]
-    out = subprocess.run(command, capture_output=True, text=True)
+    for _ in range(3):  # a loaded machine can time Ray's start out: that run is retried
+        out = subprocess.run(command, capture_output=True, text=True)
+        if "timed out during startup" not in out.stderr:
+            break
     if out.returncode != 0:
         raise RuntimeError(f"{mode} run failed ({out.returncode}):\n{out.stderr[-3000:]}")
     records = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().split()]

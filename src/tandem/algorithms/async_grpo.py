@@ -27,11 +27,15 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tandem.algorithms.grpo import Groups, rollout_params, score, train_on_groups
 from tandem.algorithms.protocols import PipelinedRuntime
 from tandem.config.models import GrpoConfig
 from tandem.data.prompts import PromptSource
+
+if TYPE_CHECKING:
+    from tandem.cluster.runtime import PendingGeneration
 
 
 @dataclass
@@ -42,7 +46,7 @@ class _Generation:
     prompts: list[dict[str, str]]
     version: int
     """Optimizer steps of the weights the generators held when it was submitted."""
-    pending: object
+    pending: PendingGeneration
 
 
 class RolloutPipeline:
@@ -128,7 +132,7 @@ class RolloutPipeline:
             return
         generation, self.running = self.running, None
         t0 = time.perf_counter()
-        rollouts = self.runtime.collect(generation.pending)  # type: ignore[arg-type]
+        rollouts = self.runtime.collect(generation.pending)
         self._waited += time.perf_counter() - t0
         for rollout in rollouts:
             rollout.policy_version = generation.version
