@@ -376,6 +376,7 @@ class GrpoConfig(Section):
             (self.cluster.placement != "split", "cluster.placement=split"),
             (algo.rollout_correction == "none", "an algorithm.rollout_correction (e.g. token_tis)"),
             (algo.refill_rounds > 0, "algorithm.refill_rounds=0 (refills are not pipelined)"),
+            (self.environment is not None, "no environment section (episodes are not pipelined)"),
         ]
         needs = [fix for bad, fix in problems if bad]
         if needs:
