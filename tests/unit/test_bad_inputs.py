@@ -77,6 +77,23 @@ CASES: dict[str, tuple[Setup, str]] = {
         "precision=fp8 needs",
     ),
     "jsonl without a file": (lambda t: ["grpo", "data.task=jsonl"], "data.train_path"),
+    # multi-turn environments
+    "unknown environment": (
+        lambda t: ["grpo", "--config", "grpo_guess_number", "environment.name=nope"],
+        "environment 'nope' is neither a built-in",
+    ),
+    "environment task, no environment": (
+        lambda t: ["grpo", "data.task=environment"],
+        "no environment section",
+    ),
+    "episode beyond the context": (
+        lambda t: ["grpo", "--config", "grpo_guess_number", "environment.max_tokens=4096"],
+        "environment.max_tokens=4096 exceeds the model's context of 256",
+    ),
+    "multi-turn async": (
+        lambda t: ["grpo", "--config", "grpo_guess_number", "algorithm.max_staleness=1"],
+        "run synchronously",
+    ),
     "sft unknown key": (lambda t: ["sft", "algorithm.batchsize=4"], "algorithm.batchsize"),
     "override without =": (lambda t: ["grpo", "algorithm.num_steps"], "section.key=value"),
     "missing recipe": (lambda t: ["grpo", "--config", "nope.yaml"], "recipe file not found"),
