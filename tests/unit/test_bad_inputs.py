@@ -92,7 +92,7 @@ CASES: dict[str, tuple[Setup, str]] = {
     ),
     "multi-turn async": (
         lambda t: ["grpo", "--config", "grpo_guess_number", "algorithm.max_staleness=1"],
-        "run synchronously",
+        "no environment section (episodes are not pipelined)",
     ),
     "sft unknown key": (lambda t: ["sft", "algorithm.batchsize=4"], "algorithm.batchsize"),
     "override without =": (lambda t: ["grpo", "algorithm.num_steps"], "section.key=value"),

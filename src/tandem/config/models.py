@@ -355,11 +355,6 @@ class GrpoConfig(Section):
     def _environment_task(self) -> GrpoConfig:
         if self.data.task == "environment" and self.environment is None:
             raise ValueError("data.task is 'environment' but there is no environment section")
-        if self.environment is not None and self.algorithm.max_staleness > 0:
-            raise ValueError(
-                "multi-turn rollouts (an environment section) run synchronously: set "
-                "algorithm.max_staleness=0"
-            )
         if self.environment is not None and self.algorithm.overlong_buffer > 0:
             raise ValueError(
                 "algorithm.overlong_buffer applies to single responses: set it to 0 with an "
