@@ -337,7 +337,7 @@ def run_dpo(config: DpoConfig, resume: bool = False) -> list[dict[str, Any]]:
     def eval_fn() -> dict[str, float]:
         metrics = {}
         if eval_pairs:
-            _, stats = score_pairs(runtime, pairs, eval_pairs, algo.beta, algo.loss)
+            _, stats = score_pairs(runtime, pairs, eval_pairs, algo)
             metrics.update(summary(stats, algo.beta, "eval"))
         if eval_prompts:
             runtime.refit()
@@ -357,7 +357,7 @@ def run_dpo(config: DpoConfig, resume: bool = False) -> list[dict[str, Any]]:
                 runtime,
                 algo.num_steps,
                 algo.eval_every,
-                lambda step: dpo_step(runtime, pairs, step, algo.batch_size, algo.beta, algo.loss),
+                lambda step: dpo_step(runtime, pairs, step, algo),
                 eval_fn,
                 resume,
             )

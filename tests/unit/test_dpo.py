@@ -61,10 +61,15 @@ def test_pair_weights_are_the_loss_derivative_by_hand() -> None:
     ipo = pair_stats(policy, reference, beta=0.5, kind="ipo")
     # d/dm (m - 1)^2 = 2 (m - 1): 1.0 and -4.0
     assert ipo.weight.tolist() == pytest.approx([-1.0, 1.0, 4.0, -4.0])
+    # RPO: + 0.5 * (-log pi(chosen)) per pair: the chosen rows gain weight 0.5
+    rpo = pair_stats(policy, reference, beta=0.5, kind="ipo", nll_coef=0.5)
+    assert rpo.weight.tolist() == pytest.approx([-0.5, 1.0, 4.5, -4.0])
+    assert rpo.loss.tolist() == pytest.approx([0.25 + 1.0, 4.0 + 0.5])
+    assert rpo.chosen_logprob.tolist() == [-2.0, -1.0]
 
 
-@pytest.mark.parametrize("kind", ["dpo", "ipo"])
-def test_policy_gradient_form_has_the_pairwise_gradient(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "nll_coef"), [("dpo", 0.0), ("ipo", 0.0), ("dpo", 0.7)])
+def test_policy_gradient_form_has_the_pairwise_gradient(kind: str, nll_coef: float) -> None:
     """Split into two micro-batches that separate every pair, the per-sequence form gives the
     gradient of the pairwise loss computed directly with autograd."""
     torch.manual_seed(0)
@@ -89,9 +94,11 @@ def test_policy_gradient_form_has_the_pairwise_gradient(kind: str) -> None:
         direct = sum(-torch.nn.functional.logsigmoid(beta * x) for x in m) / 2
     else:
         direct = sum((x - 1 / (2 * beta)) ** 2 for x in m) / 2
+    direct = direct - nll_coef * (seq[0] + seq[2]) / 2
     (expected,) = torch.autograd.grad(direct, logits)
 
-    stats = pair_stats(sequence_logprobs(token_logprobs().detach(), mask), reference, beta, kind)
+    policy = sequence_logprobs(token_logprobs().detach(), mask)
+    stats = pair_stats(policy, reference, beta, kind, nll_coef)
     batch = TrainBatch(
         input_ids=tokens,
         attention_mask=torch.ones_like(tokens),
@@ -200,7 +207,10 @@ def test_cli_names_a_missing_preference_file(
 def test_dpo_step_trains_through_the_trainer(tmp_path: Path, tokenizer: Any) -> None:
     """Two steps on the same pairs through the real trainer worker: the first sees margin 0
     (policy = reference), the second a positive margin on the pairs it was trained on."""
-    config = load_config(DpoConfig, "dpo_arithmetic", ["policy.optimizer.lr=3e-3"])
+    config = load_config(
+        DpoConfig, "dpo_arithmetic", ["policy.optimizer.lr=3e-3", "algorithm.batch_size=8"]
+    )
+    algo = config.algorithm
     trainer = TrainerWorker(
         policy=config.policy,
         refit=RefitConfig(),
@@ -212,10 +222,10 @@ def test_dpo_step_trains_through_the_trainer(tmp_path: Path, tokenizer: Any) -> 
     source = PromptSource(train * 2, [], tokenizer, load_reward("exact_match"), seed=0)
     runtime = Runtime(LocalGroup([trainer], "trainer"), None, with_reference=True)
     with runtime:
-        first = dpo_step(runtime, source, 1, 8, 0.1, "dpo")
+        first = dpo_step(runtime, source, 1, algo)
         # same pairs again: train_prompts of step 1 covers the second copy of the same 8
         source.train = train
-        second = dpo_step(runtime, source, 1, 8, 0.1, "dpo")
+        second = dpo_step(runtime, source, 1, algo)
     assert first["train/margin"] == 0.0 and first["train/preference_accuracy"] == 0.0
     assert first["train/loss"] == pytest.approx(math.log(2), rel=1e-5)
     assert second["train/margin"] > 0 and second["train/preference_accuracy"] > 0.5

@@ -10,7 +10,8 @@ A no-grad pass of the current policy gives ``m`` and ``dL/dm``; the trainer then
 policy-gradient form ``-sum_t A_t log pi_t / num_pairs`` with the per-sequence weight
 ``A = -dL/dm`` on the chosen row and ``+dL/dm`` on the rejected one. Same weights, same gradient
 as the pairwise loss, so any micro-batching, packing or data-parallel split of the rows is exact;
-the price is that extra forward pass. The reported loss is the pairwise loss itself.
+the price is that extra forward pass. The reported loss is the pairwise loss itself (plus the
+optional NLL of the chosen responses, ``nll_coef``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.algorithms.protocols import Count, Metrics, RolloutRuntime
+from tandem.config.models import DpoAlgorithmConfig
 from tandem.data.batch import TrainBatch
 from tandem.data.preferences import Pair, preference_batch
 from tandem.data.prompts import PromptSource
@@ -56,15 +58,23 @@ class PairStats:
     """[P] per-pair loss."""
     weight: torch.Tensor
     """[2P] per-sequence weight ``A`` of the policy-gradient form (module docstring)."""
+    chosen_logprob: torch.Tensor
+    """[P] the chosen responses' summed logprobs under the policy."""
 
 
-def pair_stats(policy: torch.Tensor, reference: torch.Tensor, beta: float, kind: str) -> PairStats:
-    """Margins, losses and per-sequence weights from ``[2P]`` sequence logprobs (no grad)."""
+def pair_stats(
+    policy: torch.Tensor, reference: torch.Tensor, beta: float, kind: str, nll_coef: float = 0.0
+) -> PairStats:
+    """Margins, losses and per-sequence weights from ``[2P]`` sequence logprobs (no grad). With
+    ``nll_coef`` the loss adds ``-nll_coef * log pi(chosen)`` per pair (RPO): weight
+    ``nll_coef`` on the chosen rows."""
     margin = margins(policy, reference).detach().double().requires_grad_(True)
     loss = pair_losses(margin, beta, kind)
     (dloss_dmargin,) = torch.autograd.grad(loss.sum(), margin)
-    weight = torch.stack([-dloss_dmargin, dloss_dmargin], dim=1).reshape(-1)
-    return PairStats(margin.detach().float(), loss.detach().float(), weight.float())
+    weight = torch.stack([nll_coef - dloss_dmargin, dloss_dmargin], dim=1).reshape(-1)
+    chosen = policy[0::2].detach().double()
+    loss = loss.detach() - nll_coef * chosen
+    return PairStats(margin.detach().float(), loss.float(), weight.float(), chosen.float())
 
 
 def preference_gradient_loss(
@@ -83,43 +93,40 @@ def preference_gradient_loss(
 
 
 def score_pairs(
-    runtime: RolloutRuntime, source: PromptSource, pairs: list[Pair], beta: float, kind: str
+    runtime: RolloutRuntime, source: PromptSource, pairs: list[Pair], algo: DpoAlgorithmConfig
 ) -> tuple[TrainBatch, PairStats]:
     """The pairs' batch and their statistics under the current policy and the reference."""
     batch = preference_batch(source, pairs)
     reference = sequence_logprobs(runtime.reference_logprobs(batch), batch.loss_mask)
     policy = sequence_logprobs(runtime.policy_logprobs(batch), batch.loss_mask)
-    return batch, pair_stats(policy, reference, beta, kind)
+    return batch, pair_stats(policy, reference, algo.beta, algo.loss, algo.nll_coef)
 
 
 def summary(stats: PairStats, beta: float, prefix: str) -> dict[str, float]:
-    """Loss, preference accuracy (margin > 0) and mean margin, under ``prefix``."""
+    """Loss, preference accuracy (margin > 0), mean margin and chosen logprob, under
+    ``prefix``."""
     return {
         f"{prefix}/loss": float(stats.loss.mean()),
         f"{prefix}/preference_accuracy": float((stats.margin > 0).float().mean()),
         f"{prefix}/margin": float(stats.margin.mean()),
         f"{prefix}/reward_margin": float(beta * stats.margin.mean()),
+        f"{prefix}/chosen_logprob": float(stats.chosen_logprob.mean()),
     }
 
 
 def dpo_step(
-    runtime: RolloutRuntime,
-    source: PromptSource,
-    step: int,
-    batch_size: int,
-    beta: float,
-    kind: str,
+    runtime: RolloutRuntime, source: PromptSource, step: int, algo: DpoAlgorithmConfig
 ) -> dict[str, float]:
-    """One optimizer step on the ``batch_size`` pairs of step ``step`` (1-based)."""
+    """One optimizer step on the ``algo.batch_size`` pairs of step ``step`` (1-based)."""
     start = time.perf_counter()
-    pairs = source.train_prompts(step - 1, batch_size)
-    batch, stats = score_pairs(runtime, source, pairs, beta, kind)
+    pairs = source.train_prompts(step - 1, algo.batch_size)
+    batch, stats = score_pairs(runtime, source, pairs, algo)
     scored = time.perf_counter()
     batch.advantages = stats.weight[:, None] * batch.loss_mask
     trained = runtime.train(batch, preference_gradient_loss)
     end = time.perf_counter()
     return {
-        **summary(stats, beta, "train"),
+        **summary(stats, algo.beta, "train"),
         "train/grad_norm": trained["grad_norm"],
         "train/lr": trained["lr"],
         "timing/logprobs_s": scored - start,

@@ -429,6 +429,10 @@ class DpoAlgorithmConfig(Section):
     log pi a response's summed token logprobs."""
     beta: float = Field(0.1, gt=0)
     """Strength of the pull to the frozen reference (DPO's beta; IPO's tau)."""
+    nll_coef: float = Field(0.0, ge=0)
+    """Adds nll_coef x the chosen response's negative log-likelihood (its summed token
+    logprobs, per pair) to the loss, so the chosen answers stay likely while the margins grow
+    (RPO, Pang et al. 2024); 0 disables."""
     eval_every: int = Field(20, ge=0)
     """Evaluate held-out preference accuracy (and, on the arithmetic task, greedy accuracy)
     every K steps and at the end; 0 disables."""
