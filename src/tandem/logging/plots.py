@@ -1,4 +1,4 @@
-"""PNG plots of a run's metrics (reward and held-out accuracy over steps)."""
+"""PNG plots of a run's metrics (reward and held-out accuracies over steps)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 
 
 def plot_run(records: list[dict[str, Any]], path: Path, title: str = "") -> Path:
-    """Reward (train) and accuracy (eval) against step, saved as a PNG at ``path``."""
+    """Reward (train), accuracy and preference accuracy (eval) against step, saved as a PNG at
+    ``path``."""
     import matplotlib  # (a second's import: not on the way to a config error)
 
     matplotlib.use("Agg")  # headless: runs on servers and CI
@@ -17,6 +18,7 @@ def plot_run(records: list[dict[str, Any]], path: Path, title: str = "") -> Path
     for key, label, style in (
         ("train/reward_mean", "train reward", "-"),
         ("eval/accuracy", "held-out accuracy", "o-"),
+        ("eval/preference_accuracy", "held-out preference accuracy", "s--"),
     ):
         points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), float | int)]
         if points:
