@@ -201,14 +201,16 @@ def test_cli_names_a_missing_preference_file(
     missing = tmp_path / "none.jsonl"
     args = ["dpo", "data.task=file", f"data.train_path={missing}", f"logging.run_dir={tmp_path}"]
     assert main(args) == 2
-    assert f"preference file not found: {missing}" in capsys.readouterr().err
+    assert f"data.train_path: data file not found: {missing}" in capsys.readouterr().err
 
 
 def test_dpo_step_trains_through_the_trainer(tmp_path: Path, tokenizer: Any) -> None:
     """Two steps on the same pairs through the real trainer worker: the first sees margin 0
     (policy = reference), the second a positive margin on the pairs it was trained on."""
     config = load_config(
-        DpoConfig, "dpo_arithmetic", ["policy.optimizer.lr=3e-3", "algorithm.batch_size=8"]
+        DpoConfig,
+        "dpo_arithmetic",
+        ["policy.optimizer.lr=3e-3", "algorithm.batch_size=8", "algorithm.nll_coef=0"],
     )
     algo = config.algorithm
     trainer = TrainerWorker(
