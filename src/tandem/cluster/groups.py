@@ -8,7 +8,7 @@ the real transports) runs in one process for tests and tools. No ray import here
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,6 +35,11 @@ class Group(Protocol):
     def run_async(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
 
     def get(self, futures: Any) -> list[Any]: ...
+
+    def ready(self, futures: Any, timeout_s: float) -> bool:
+        """Whether ``get(futures)`` would return or raise at once: every rank done, or one
+        failed; waits up to ``timeout_s`` for that."""
+        ...
 
     def run_per_rank(
         self,
@@ -88,6 +93,10 @@ class LocalGroup:
                 ) from err
         return results
 
+    def ready(self, futures: LocalFutures, timeout_s: float) -> bool:
+        done, pending = wait(futures.futures, timeout=timeout_s, return_when=FIRST_EXCEPTION)
+        return not pending or any(f.exception() is not None for f in done)
+
     def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self.get(self.run_async(method, *args, **kwargs))
 
@@ -110,3 +119,15 @@ class LocalGroup:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def get_together(calls: Sequence[tuple[Group, Any]], poll_s: float = 0.5) -> list[list[Any]]:
+    """``group.get(futures)`` of every call, the first failure of any raised at once: two groups
+    that work together (a refit's sender and receivers) wait on each other, so waiting on one
+    first would hang on it when the other's actor died."""
+    results: dict[int, list[Any]] = {}
+    while len(results) < len(calls):
+        for index, (group, futures) in enumerate(calls):
+            if index not in results and group.ready(futures, poll_s / len(calls)):
+                results[index] = group.get(futures)
+    return [results[index] for index in range(len(calls))]

@@ -39,6 +39,16 @@ def init_ray(address: str | None = None, num_cpus: float | None = None) -> None:
     )
 
 
+def loopback_interface() -> str:
+    """The name of the interface holding 127.0.0.1 (``lo`` on Linux)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(address.address == LOOPBACK for address in addresses):
+            return name
+    return "lo"
+
+
 def node_ip(node_id: str) -> str:
     """The address a Ray node was started with (``ray.util.get_node_ip_address()`` would give
     the host's outward address, not the loopback one a local cluster binds to)."""

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from tandem.cluster.groups import Group, WorkerError
+from tandem.cluster.groups import Group, WorkerError, get_together
 from tandem.config.models import (
     ClusterConfig,
     GenerationConfig,
@@ -375,8 +375,8 @@ class Runtime:
         spec = self.trainers.run("prepare_refit")[0]
         sending = self.trainers.run_async("send_weights")
         receiving = self.generators.run_async("receive_weights", spec)
-        stats = self.trainers.get(sending)[0]
-        self.generators.get(receiving)
+        sent, _ = get_together([(self.trainers, sending), (self.generators, receiving)])
+        stats = sent[0]
         self._phase.weights_current = True
         if self.memory_phases:
             memory = self.trainers.run("memory_stats")[0]

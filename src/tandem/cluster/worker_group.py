@@ -37,7 +37,7 @@ from tandem.cluster.envs import build_on_all_nodes, runtime_env_for
 from tandem.cluster.envs import env_mode as resolve_env_mode
 from tandem.cluster.groups import WorkerError
 from tandem.cluster.placement import ActorSlot
-from tandem.cluster.ray_cluster import LOOPBACK, alive_nodes, node_ip
+from tandem.cluster.ray_cluster import LOOPBACK, alive_nodes, loopback_interface, node_ip
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -128,8 +128,10 @@ class WorkerGroup:
     def _runtime_env(kind: str, env_vars: dict[str, str] | None, mode: str | None) -> dict:
         variables = dict(env_vars or {})
         single_node = len(alive_nodes()) == 1
-        if single_node:
+        if single_node:  # every socket of the collectives and of vLLM on loopback
             variables.setdefault("VLLM_HOST_IP", LOOPBACK)
+            variables.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+            variables.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
         resolved = resolve_env_mode(mode)
         if resolved == "isolated" and not single_node:
             build_on_all_nodes([kind])  # the local build below then finds it cached
@@ -222,6 +224,21 @@ class WorkerGroup:
             rank = rank_of[ready[0]]
             results[rank] = self._result(ready[0], rank, futures.method)
         return [results[rank] for rank in futures.ranks]
+
+    def ready(self, futures: Futures, timeout_s: float) -> bool:
+        """Whether ``get(futures)`` would return or raise at once (every rank done, or one
+        failed); waits up to ``timeout_s``."""
+        done, pending = ray.wait(
+            list(futures.refs), num_returns=len(futures.refs), timeout=timeout_s
+        )
+        if not pending:
+            return True
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:
+                return True
+        return False
 
     def _result(self, ref: ray.ObjectRef, rank: int, method: str) -> Any:
         try:

@@ -16,7 +16,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from tandem import rendezvous
 from tandem.config.models import PolicyConfig
+
+STORE_TIMEOUT_S = 1800.0
+"""How long the trainers' rendezvous waits for every rank (torch's default)."""
 
 
 def uses_fsdp(config: PolicyConfig, world_size: int) -> bool:
@@ -54,8 +58,13 @@ def init_distributed(rank: int, world_size: int, device: torch.device) -> None:
         os.environ["MASTER_PORT"] = str(_free_port())
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # rank 0's store listens on MASTER_ADDR only (torch's own would take every interface)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    open_store = rendezvous.serve if rank == 0 else rendezvous.connect
+    store = open_store(host, port, world_size, STORE_TIMEOUT_S)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
+        store=store,
         rank=rank,
         world_size=world_size,
         device_id=device if device.type == "cuda" else None,

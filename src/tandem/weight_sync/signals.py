@@ -11,6 +11,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from tandem import rendezvous
+
 ABORT = b"abort:"
 """Prefix of a signal value that ends the refit on the other side with the message after it."""
 
@@ -33,8 +35,8 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 
 
 def serve_store(host: str, timeout_s: float) -> dist.TCPStore:
-    """A standalone store on a free port (not the trainer's default group)."""
-    return dist.TCPStore(host, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+    """A standalone store on a free port of ``host`` only (not the trainer's default group)."""
+    return rendezvous.serve(host, 0, None, timeout_s)
 
 
 def wait_signals(store: dist.Store, keys: list[str], timeout_s: float, what: str) -> list[bytes]:
