@@ -199,3 +199,19 @@ def test_guess_number_and_calculator_rules() -> None:
     assert evaluate_expression("2+3*(4-1)") == 11
     for row in CalculatorEnv.samples(20, seed=0):
         assert str(evaluate_expression(row["prompt"].rstrip("="))) == row["answer"]
+
+
+def test_the_shipped_environments_play_episodes(generator: HfGenerator) -> None:
+    for name, stop in (("calculator", ("</calc>",)), ("guess_number", ())):
+        cls = CalculatorEnv if name == "calculator" else GuessNumberEnv
+        eps = run_episodes(
+            cls.samples(3, seed=0),
+            2,
+            generator.generate,
+            InProcessEnvironments(name),
+            TurnEncoder(generator.tokenizer),
+            SamplingParams(temperature=1.0, max_tokens=8, stop=stop, seed=0),
+            EpisodeLimits(max_turns=3, max_tokens=100),
+        )
+        assert len(eps) == 6 and all(e.error is None and e.num_turns >= 1 for e in eps)
+        assert all(e.end in ("env", "turns", "tokens") for e in eps)
