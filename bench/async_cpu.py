@@ -45,7 +45,9 @@ def run(mode: str, steps: int, staleness: int, root: Path, index: int) -> dict:
             break
     if out.returncode != 0:
         raise RuntimeError(f"{mode} run failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    records = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().split()]
+    records = [
+        json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()
+    ]
     train = [r for r in records if "timing/step_s" in r]
     algo = json.loads((root / name / "config.json").read_text())["algorithm"]
     samples = len(train[1:]) * algo["prompts_per_step"] * algo["num_generations"]

@@ -51,8 +51,8 @@ def test_generate_fans_out_and_a_killed_generator_is_named(
         ray.kill(runtime.generators.actors[1])  # type: ignore[union-attr]
         with pytest.raises(WorkerError) as err:
             runtime.generate(prompts, GREEDY)
-        assert (err.value.kind, err.value.rank, err.value.method) == ("generator", 1, "generate")
-        assert str(err.value).startswith("generator worker rank 1 failed in generate(): actor died")
+        assert (err.value.kind, err.value.rank, err.value.method) == ("generator", 1, "generate_timed")
+        assert str(err.value).startswith("generator worker rank 1 failed in generate_timed(): actor died")
     finally:
         runtime.close()  # must not stop at the dead generator
     assert "generator worker rank 1 failed in shutdown()" in caplog.text
