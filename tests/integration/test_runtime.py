@@ -51,8 +51,10 @@ def test_generate_fans_out_and_a_killed_generator_is_named(
         ray.kill(runtime.generators.actors[1])  # type: ignore[union-attr]
         with pytest.raises(WorkerError) as err:
             runtime.generate(prompts, GREEDY)
-        assert (err.value.kind, err.value.rank, err.value.method) == ("generator", 1, "generate_timed")
-        assert str(err.value).startswith("generator worker rank 1 failed in generate_timed(): actor died")
+        failed = (err.value.kind, err.value.rank, err.value.method)
+        assert failed == ("generator", 1, "generate_timed")
+        message = "generator worker rank 1 failed in generate_timed(): actor died"
+        assert str(err.value).startswith(message)
     finally:
         runtime.close()  # must not stop at the dead generator
     assert "generator worker rank 1 failed in shutdown()" in caplog.text
