@@ -42,8 +42,11 @@ print("RESULT " + json.dumps(out))
 
 
 def test_actors_import_tandem_from_the_drivers_checkout(tmp_path: Path) -> None:
+    first_root = Path(tandem.__file__).resolve().parents[2]
     second = tmp_path / "second-checkout" / "src"
     shutil.copytree(Path(tandem.__file__).parent, second / "tandem")
+    for name in ("pyproject.toml", "uv.lock", "README.md"):  # a checkout: the uv project too
+        shutil.copy2(first_root / name, second.parent / name)
     init = second / "tandem" / "__init__.py"
     init.write_text(init.read_text() + '\nCHECKOUT_MARKER = "second"\n')
     (second / "tandem" / "_checkout_probe.py").write_text(PROBE)
