@@ -25,6 +25,7 @@ from tandem.assets import DEFAULT_MODEL_DIR
 from tandem.config.models import OptimizerConfig, PolicyConfig
 from tandem.data.batch import TrainBatch
 from tandem.trainer import PolicyTrainer
+from tandem.trainer.offload import release_device_caches
 from tandem.weight_sync import make_receiver, make_sender
 
 pytestmark = [
@@ -112,9 +113,10 @@ def test_refit_then_offload_leaves_the_trainer_nothing(model_dir: Path, setup: s
 
 def _check_refit_and_offload(model_dir: Path, setup: str, specs: Any, results: Any) -> None:
     dtype = "float32" if setup == "fsdp" else "bfloat16"  # fsdp: fp32 master, bf16 compute
-    # What this process held before the trainer existed (an earlier test in the same process may
-    # leave a small block, e.g. a cached tensor from building a model on the GPU).
+    # What this process held before the trainer existed; cuBLAS workspaces of earlier tests (they
+    # live in the caching allocator, and offload() releases them) returned first.
     gc.collect()
+    release_device_caches()
     before_allocated, before_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     optimizer = OptimizerConfig(lr=1e-3, max_grad_norm=1.0)
     config = PolicyConfig(model_path=model_dir, dtype=dtype, optimizer=optimizer, **SETUPS[setup])

@@ -47,9 +47,12 @@ def write_random_qwen2(
         | dict(shape)
     )
     config.bos_token_id = config.eos_token_id = config.pad_token_id = 256
+    # Resolved outside the device context: transformers imports its modeling modules lazily, and
+    # a module-level tensor built during that import (torchaudio's EPSILON) would land on the GPU.
+    model_class = transformers.Qwen2ForCausalLM
     torch.manual_seed(seed)
     with torch.device(device):
-        model = transformers.Qwen2ForCausalLM(config)
+        model = model_class(config)
     model.save_pretrained(path)
     for item in DEFAULT_MODEL_DIR.iterdir():
         if item.name.startswith(("tokenizer", "special_tokens", "generation")):
