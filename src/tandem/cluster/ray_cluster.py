@@ -5,16 +5,26 @@ else starts a local single-node cluster (asking for loopback) with no dashboard.
 once Ray is up does nothing. ``node_ip(node_id)`` is a node's address, ``alive_nodes()`` the ids
 of the alive nodes.
 
-Ray 2.60 turns ``_node_ip_address="127.0.0.1"`` into the host's outward address
-(``services.resolve_ip_for_localhost``), so the Ray node itself is not on loopback; what tandem
-starts on a single node (the torch.distributed rendezvous, vLLM) is bound to 127.0.0.1.
+A local cluster listens on loopback only. Ray binds its gRPC servers (GCS, raylet, every
+worker and the driver) to 127.0.0.1 when the node's address is 127.0.0.1 and to every interface
+otherwise; its runtime-env agent and autoscaler metrics bind the node's address. But ``ray.init``
+turns ``_node_ip_address="127.0.0.1"`` into the host's outward address
+(``services.resolve_ip_for_localhost``) unless Ray's single-node switch is off: the one it keeps
+off on Windows and macOS (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``, read into
+``ray_constants.ENABLE_RAY_CLUSTER`` when ray is imported). ``init_ray`` turns it off while it
+starts a local cluster (``_single_node_switch``). What tandem starts on one node (the
+torch.distributed rendezvous, gloo, vLLM) is bound to 127.0.0.1 too. A joined cluster is the
+one ``ray start`` made: its node addresses are the ones given there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import ray
+from ray._private import ray_constants
 
 LOOPBACK = "127.0.0.1"
 
@@ -31,12 +41,31 @@ def init_ray(address: str | None = None, num_cpus: float | None = None) -> None:
         ray.init(address=address, log_to_driver=True)
         return
     cpus = None if num_cpus is None else max(1, round(num_cpus))
-    ray.init(
-        address="local",  # not $RAY_ADDRESS, which was consulted above
-        num_cpus=cpus,
-        _node_ip_address=LOOPBACK,
-        include_dashboard=False,
-    )
+    with _single_node_switch():
+        ray.init(
+            address="local",  # not $RAY_ADDRESS, which was consulted above
+            num_cpus=cpus,
+            _node_ip_address=LOOPBACK,
+            include_dashboard=False,
+        )
+
+
+@contextlib.contextmanager
+def _single_node_switch() -> Iterator[None]:
+    """Ray's switch for a cluster of one node off for this process (its constant, which
+    ``ray.init`` reads) and for the processes the cluster starts (the variable), then back."""
+    name = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR  # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER
+    before_constant, before_variable = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(name)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ[name] = "0"
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before_constant
+        if before_variable is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before_variable
 
 
 def loopback_interface() -> str:
