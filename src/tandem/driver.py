@@ -119,7 +119,7 @@ def run_loop(
     if resume:
         start = int(checkpoints.load(runtime)["step"])
         _truncate_metrics(run_dir, start)
-        runtime.refit()
+        runtime.refit(version=start)
     with MetricsLogger(config.logging, run_dir, num_steps, start_step=start) as logger:
         logger.info(f"run directory: {run_dir}")
         if start == 0 and eval_every > 0:
@@ -185,6 +185,7 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
         config.refit,
         with_reference=algo.kl_coef > 0,
         total_steps=algo.num_steps * algo.ppo_epochs * algo.num_minibatches,  # optimizer steps
+        in_flight_refit=algo.refit_mode == "in_flight",
     )
     if config.environment is not None:
         check_episode_length(config.environment.max_tokens, context)

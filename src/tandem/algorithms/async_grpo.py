@@ -7,14 +7,24 @@ running and decides two things only:
 
 - **submit** step ``j``'s prompts as soon as the generators are free and the weights they hold
   are recent enough for step ``j``;
-- **refit** after a step only when the next submission would otherwise break the bound. A refit
-  first waits for the running generation (the weights change between generation calls, never
-  inside one), so every rollout carries exactly the version that produced it.
+- **refit** after a step only when the next submission would otherwise break the bound. How it
+  meets the running generation is ``algorithm.refit_mode``: ``after_requests`` first waits for
+  it (the weights change between generation calls), ``in_flight`` refits at once and the
+  generators let the new weights in between two decode steps: the running requests go on with
+  them (their KV cache recomputed), the trainers do not wait for the generation to end.
+
+Versions. The generators label their weights with the version of each refit and every token
+with the label of the weights that sampled it (``Rollout.response_versions``); a rollout's
+``policy_version`` is the oldest, its first token's. The bound is checked when a generation is
+submitted, against the weights the generators hold then; an in-flight refit only makes the rest
+of its tokens newer. ``async/staleness_*`` use ``policy_version``; ``async/in_flight_token_frac``
+is the share of tokens sampled by weights newer than their rollout's first token.
 
 With ``k = 1`` the generators work on step ``s + 1`` while the trainers train step ``s``, and a
 step costs ``max(generate, train) + refit`` instead of their sum; a larger ``k`` also refits less
 often. Stale tokens are reweighted by the configured ``rollout_correction`` against the
-generator's logprobs (the old logprobs are the current policy's, as in AReaL's decoupled PPO).
+generator's logprobs, each the logprob of the weights that sampled the token (the old logprobs are
+the current policy's, as in AReaL's decoupled PPO).
 
 Prompts: step ``j`` always trains the prompts of data position ``[(j-1) P, j P)``, whatever ran
 ahead. On resume the generations that ran ahead of the checkpoint are lost with the process and
@@ -57,6 +67,7 @@ class RolloutPipeline:
     def __init__(self, runtime: PipelinedRuntime, config: GrpoConfig, source: PromptSource):
         self.runtime, self.config, self.source = runtime, config, source
         self.max_staleness = config.algorithm.max_staleness
+        self.in_flight = config.algorithm.refit_mode == "in_flight"
         self.version = -1
         """Version of the generators' weights (-1 until the first step)."""
         self.next_step = 0
@@ -96,6 +107,7 @@ class RolloutPipeline:
             "async/staleness_mean": sum(ages) / len(ages),
             "async/staleness_max": float(max(ages)),
             "async/rollouts_in_flight": float(in_flight),
+            "async/in_flight_token_frac": _newer_token_frac(groups),
             "async/refit": float(self.version == step),
             **self._prompt_accounting(generation),
             **timings,
@@ -134,8 +146,8 @@ class RolloutPipeline:
         t0 = time.perf_counter()
         rollouts = self.runtime.collect(generation.pending)
         self._waited += time.perf_counter() - t0
-        for rollout in rollouts:
-            rollout.policy_version = generation.version
+        # the generators label versions; none is older than the weights held at submission
+        assert all(r.policy_version >= generation.version for r in rollouts), generation.version
         params = rollout_params(self.config, generation.step)
         rewards, scoring = score(self.config, self.source, generation.prompts, rollouts, params)
         self.done[generation.step] = (generation, Groups(rollouts, rewards, scoring))
@@ -147,14 +159,16 @@ class RolloutPipeline:
         return self.done.pop(step)
 
     def _refit_if_needed(self, step: int) -> dict[str, float]:
-        """Refit (after the running generation) when the next step to submit needs it."""
+        """Refit when the next step to submit needs it: after the running generation, or in
+        flight into it."""
         if self.next_step > self.config.algorithm.num_steps or self._allowed(self.next_step):
             return {}
-        self._drain()
+        if not self.in_flight:
+            self._drain()
         return self._refit(step)
 
     def _refit(self, step: int) -> dict[str, float]:
-        stats = self.runtime.refit()
+        stats = self.runtime.refit(version=step)
         self.version = step
         return stats
 
@@ -166,3 +180,11 @@ class RolloutPipeline:
             "data/prompt_start": float((generation.step - 1) * count),
             "data/prompt_digest": float(digest),
         }
+
+
+def _newer_token_frac(groups: Groups) -> float:
+    """The share of response tokens sampled by newer weights than their rollout's first token
+    (an in-flight refit landed while the rollout was generated)."""
+    versions = [v for r in groups.rollouts for v in r.response_versions]
+    newer = sum(v > r.policy_version for r in groups.rollouts for v in r.response_versions)
+    return newer / max(len(versions), 1)

@@ -82,7 +82,7 @@ def grpo_step(
     timings = {"timing/generate_s": time.perf_counter() - start}
     metrics = train_on_groups(runtime, config, groups, step, source, timings)
     t0 = time.perf_counter()
-    refit_stats = runtime.refit()
+    refit_stats = runtime.refit(version=step)
     timings["timing/refit_s"] = time.perf_counter() - t0
     timings["timing/step_s"] = time.perf_counter() - start
     metrics["refit/gb_per_s"] = refit_stats.get("gb_per_s", 0.0)

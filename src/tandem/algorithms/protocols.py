@@ -60,15 +60,17 @@ class RolloutRuntime(Protocol):
         """One optimizer step on ``batch``; the loss's metrics summed over ranks."""
         ...
 
-    def refit(self) -> dict[str, float]:
-        """The trainer's weights into every generator; the transfer's figures."""
+    def refit(self, version: int | None = None) -> dict[str, float]:
+        """The trainer's weights into every generator, labelled ``version`` (the optimizer
+        steps behind them; None: the last label given); the transfer's figures."""
         ...
 
 
 class PipelinedRuntime(RolloutRuntime, Protocol):
     """A runtime whose generators can work while the trainers train (split placement): async
-    GRPO submits a generation, trains, and collects the rollouts later. Calls on the generators
-    run in the order they were made, so a refit lands between two generations."""
+    GRPO submits a generation, trains, and collects the rollouts later. A refit lands between two
+    generations, or with in-flight refit (``RuntimeSpec.in_flight_refit``) between two decode
+    steps of the running one."""
 
     def submit_generate(
         self, prompt_token_ids: list[list[int]], params: SamplingParams

@@ -6,6 +6,7 @@ directly in one process.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -129,13 +130,17 @@ class TrainerWorker:
 
 
 class GeneratorWorker:
-    """One generation engine (vLLM, or transformers as the fallback)."""
+    """One generation engine (vLLM, or transformers as the fallback). A refit may arrive while a
+    generation runs (an actor with two concurrent calls: in-flight refit): it lands between two
+    decode steps (``generation.base.WeightGate``)."""
 
     def __init__(self, generation: GenerationConfig, model_path: str, rank: int = 0):
         self.first_receiver_rank = 1 + rank * generation.tensor_parallel_size
         self._last_end: float | None = None
         """When this generator's last generation or refit ended (None before the first)."""
         self._idle_s = 0.0
+        self._working = 0
+        self._clock = threading.Lock()
         from tandem.generation import make_generator
 
         self.rank = rank
@@ -153,22 +158,34 @@ class GeneratorWorker:
         """The rollouts, and the seconds this generator sat idle (neither generating nor
         receiving weights) since the previous ``generate_timed`` returned."""
         self._begin_work()
-        idle, self._idle_s = self._idle_s, 0.0
+        with self._clock:
+            idle, self._idle_s = self._idle_s, 0.0
         try:
             return self.generator.generate(prompt_token_ids, params), idle
         finally:
-            self._last_end = time.perf_counter()
+            self._end_work()
 
-    def receive_weights(self, spec: Any) -> None:
+    def receive_weights(self, spec: Any, version: int | None = None) -> None:
+        """Load a refit's weights, labelled ``version`` (the trainer's optimizer steps; None
+        keeps the label); while a generation runs, between two of its decode steps."""
         self._begin_work()  # a refit is work; its idle gap is reported with the next generation
         try:
-            self.generator.receive_weights(spec, first_rank=self.first_receiver_rank)
+            with self.generator.gate.update(version):
+                self.generator.receive_weights(spec, first_rank=self.first_receiver_rank)
         finally:
-            self._last_end = time.perf_counter()
+            self._end_work()
 
     def _begin_work(self) -> None:
-        if self._last_end is not None:
-            self._idle_s += time.perf_counter() - self._last_end
+        with self._clock:
+            if self._working == 0 and self._last_end is not None:
+                self._idle_s += time.perf_counter() - self._last_end
+            self._working += 1
+
+    def _end_work(self) -> None:
+        with self._clock:
+            self._working -= 1
+            if self._working == 0:
+                self._last_end = time.perf_counter()
 
     def sleep(self) -> None:
         self.generator.sleep()

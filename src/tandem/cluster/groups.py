@@ -63,14 +63,16 @@ class LocalGroup:
     """Plain worker objects (``TrainerWorker``, ``GeneratorWorker``...) as a ``Group``.
 
     Every call runs in a worker thread, so ``run_async`` on two groups overlaps them as Ray
-    actors would; an exception is raised as a ``WorkerError`` naming kind, rank and method."""
+    actors would; an exception is raised as a ``WorkerError`` naming kind, rank and method.
+    ``max_concurrency``: calls a worker may run at once, as for ``WorkerGroup``."""
 
-    def __init__(self, workers: Sequence[Any], kind: str):
+    def __init__(self, workers: Sequence[Any], kind: str, max_concurrency: int = 1):
         if not workers:
             raise ValueError(f"a {kind} group needs at least one worker")
         self.workers = list(workers)
         self.kind, self.num_workers = kind, len(self.workers)
-        self._pool = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix=kind)
+        threads = self.num_workers * max_concurrency
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=kind)
 
     def _submit(self, method: str, calls: Sequence[tuple[Sequence[Any], dict[str, Any]]]) -> Any:
         futures = [

@@ -87,6 +87,9 @@ class RuntimeSpec:
     with_generators: bool = True
     total_steps: int | None = None
     """Optimizer steps of the run (the learning-rate schedule's horizon)."""
+    in_flight_refit: bool = False
+    """A refit may reach the generators while they generate (``algorithm.refit_mode``): each
+    generator actor takes two calls at once and lets the refit in between two decode steps."""
 
 
 @dataclass
@@ -127,6 +130,8 @@ class Runtime:
         self._metrics: dict[str, float] = {}
         self.placement: Placement | None = None
         """The Ray placement group of a started runtime (None in-process)."""
+        self.weights_version = 0
+        """The label of the generators' weights: the ``version`` of the last refit."""
 
     @classmethod
     def start(cls, spec: RuntimeSpec) -> Runtime:
@@ -178,6 +183,7 @@ class Runtime:
                 env_vars=env_vars,
                 env_mode=cluster.env_mode,
                 call_timeout_s=cluster.call_timeout_s,
+                max_concurrency=2 if spec.in_flight_refit else 1,
             )
         # Both kinds start at once (their processes, imports and model loads overlap), except
         # colocated on GPUs: vLLM sizes its KV cache from the memory it finds free at start.
@@ -311,7 +317,8 @@ class Runtime:
     ) -> PendingGeneration:
         """``generate`` without waiting: the generators start, the caller goes on (async GRPO
         trains meanwhile); ``collect`` returns the rollouts. A later call on the generators (a
-        refit, another generation) runs after this one."""
+        refit, another generation) runs after this one; with ``in_flight_refit`` a refit runs
+        at once, between two decode steps of this one."""
         if self.generators is None:
             raise ValueError("this runtime was started without generators (with_generators)")
         if not self._phase.weights_current:
@@ -365,8 +372,10 @@ class Runtime:
         return dict(results[0])
 
     # -- refit --------------------------------------------------------------------------------
-    def refit(self) -> dict[str, float]:
-        """Trainer weights into every generator: metadata once, then buckets, concurrently."""
+    def refit(self, version: int | None = None) -> dict[str, float]:
+        """Trainer weights into every generator: metadata once, then buckets, concurrently.
+        ``version`` labels them (the optimizer steps behind them; None: the last label given,
+        the same policy sent again). With ``in_flight_refit`` it lands in a running generation."""
         if self.generators is None:
             return {}
         self._enter(policy=True, reference=False, generators="weights")
@@ -374,7 +383,9 @@ class Runtime:
             self.trainers.run("memory_stats", reset_peak=True)
         spec = self.trainers.run("prepare_refit")[0]
         sending = self.trainers.run_async("send_weights")
-        receiving = self.generators.run_async("receive_weights", spec)
+        if version is not None:
+            self.weights_version = version
+        receiving = self.generators.run_async("receive_weights", spec, self.weights_version)
         sent, _ = get_together([(self.trainers, sending), (self.generators, receiving)])
         stats = sent[0]
         self._phase.weights_current = True

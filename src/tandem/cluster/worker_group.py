@@ -86,6 +86,8 @@ class WorkerGroup:
     them every actor asks ``num_cpus``. ``env_mode`` (``isolated``/``shared``, overridden by
     ``TANDEM_ENV_MODE``) picks the interpreter; ``env_vars`` are added to the actors' environment.
     ``call_timeout_s`` bounds the wait for each rank's result of every call (None: no bound).
+    ``max_concurrency`` > 1 makes threaded actors that run that many calls at once (in the
+    order they start, not necessarily the order they were made).
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class WorkerGroup:
         env_mode: str | None = None,
         num_cpus: float = 1.0,
         call_timeout_s: float | None = None,
+        max_concurrency: int = 1,
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -114,6 +117,7 @@ class WorkerGroup:
         host_cls = ray.remote(_WorkerHost)
         for rank in range(num_workers):
             options = bundles[rank].options() if bundles is not None else {"num_cpus": num_cpus}
+            options["max_concurrency"] = max_concurrency
             name = f"{kind}-{rank}-{os.getpid()}-{id(self):x}"
             self.actors.append(
                 host_cls.options(runtime_env=runtime_env, name=name, **options).remote()

@@ -235,6 +235,13 @@ class AlgorithmConfig(Section):
     generators produce the next steps' rollouts while the trainers train; the generators are
     refitted (between generation calls) only when the next rollouts would be older than k.
     Needs a rollout_correction, which reweights stale tokens against the generator's logprobs."""
+    refit_mode: Literal["after_requests", "in_flight"] = "after_requests"
+    """Async GRPO (max_staleness > 0): how a refit meets a generation under way. after_requests:
+    it waits for the generation to finish (a rollout's tokens all come from one policy);
+    in_flight: it lands between two decode steps and the requests go on with the new weights
+    (their KV cache recomputed), so the rest of their tokens are fresher and the trainer does
+    not wait for the generation to end before refitting. Each token's logprob is that of the
+    weights that sampled it; a rollout's version is the oldest of them."""
     eval_every: int = Field(5, ge=0)
     """Evaluate held-out accuracy every K steps (and at the end); 0 disables."""
     seed: int = 0
@@ -366,6 +373,11 @@ class GrpoConfig(Section):
     def _async_needs_split(self) -> GrpoConfig:
         algo = self.algorithm
         if algo.max_staleness == 0:
+            if algo.refit_mode == "in_flight":
+                raise ValueError(
+                    "algorithm.refit_mode=in_flight needs algorithm.max_staleness >= 1 (the "
+                    "synchronous loop never refits while generating); use after_requests"
+                )
             return self
         problems = [
             (self.cluster.placement != "split", "cluster.placement=split"),

@@ -6,6 +6,13 @@ unmodified logits, before temperature, top-k or top-p. That is vLLM's default
 (``logprobs_mode="raw_logprobs"``) and what the trainer recomputes, so the generator/trainer
 logprob mismatch after a refit measures the weights, not the sampling settings.
 
+Weights during a generation (in-flight refit): a generator's decode steps run under its
+``WeightGate``; a weight update waits for the step in progress, lands before the next one, and the
+requests go on with the new weights. Their KV cache is recomputed with the new weights first
+(vLLM preempts and re-prefills the running requests, the transformers backend prefills prompt and
+response so far again), so every token and its logprob come from one set of weights over the whole
+context. ``Rollout.response_versions`` says which weights sampled each token.
+
 Seeding: ``SamplingParams.seed`` seeds the whole call; sample ``j`` of prompt ``i`` draws from
 its own stream seeded with ``seed + i * n + j``, so a sample does not depend on what else is in
 the batch. Callers vary ``seed`` between steps.
@@ -14,7 +21,9 @@ the batch. Callers vary ``seed`` between steps.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -79,8 +88,59 @@ class Rollout:
     response_mask: list[int] | None = None
     """Multi-turn episodes: 1 on the tokens the model generated, 0 on those the environment's
     turns added (never trained on); None: every response token is generated."""
+    response_versions: list[int] = field(default_factory=list)
+    """Version of the weights (``WeightGate.version``) that sampled each response token; they
+    differ within a rollout only when a refit landed while it was being generated."""
     policy_version: int = 0
-    """Optimizer steps of the weights that generated it (set by the rollout pipeline)."""
+    """The oldest weights that sampled any of its tokens: the version at its first token."""
+
+
+class WeightGate:
+    """Takes turns between a generator's decode steps and its weight updates.
+
+    Each decode step runs under ``step()``, each weight update under ``update()``, never two at
+    once. An update that waits goes before the next step (steps come back to back, a plain lock
+    would starve it), so a refit lands between two steps of a running generation, within one
+    step. ``version`` labels the weights: 0 for those loaded at start, then what each
+    ``update(version)`` says (None keeps the label: the same policy sent again)."""
+
+    def __init__(self) -> None:
+        self._turn = threading.Condition()
+        self._busy = False
+        self.waiting_updates = 0
+        self.version = 0
+
+    @contextmanager
+    def step(self) -> Iterator[int]:
+        """One decode step; yields the version of the weights it runs with."""
+        with self._turn:
+            self._turn.wait_for(lambda: not self._busy and self.waiting_updates == 0)
+            self._busy = True
+            version = self.version
+        try:
+            yield version
+        finally:
+            self._release()
+
+    @contextmanager
+    def update(self, version: int | None = None) -> Iterator[None]:
+        """A weight update: waits for the step in progress; the new version holds once the
+        block completes (a failed update keeps the old label)."""
+        with self._turn:
+            self.waiting_updates += 1
+            self._turn.wait_for(lambda: not self._busy)
+            self.waiting_updates -= 1
+            self._busy = True
+        try:
+            yield
+            self.version = self.version if version is None else version
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._turn:
+            self._busy = False
+            self._turn.notify_all()
 
 
 class Generator(abc.ABC):
@@ -89,6 +149,10 @@ class Generator(abc.ABC):
     device: torch.device
     """Where the weights live (refit receivers deliver tensors there)."""
 
+    def __init__(self) -> None:
+        self.gate = WeightGate()
+        """Decode steps and weight updates take turns here (in-flight refit)."""
+
     @abc.abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Rollout]:
         """``params.n`` rollouts per prompt, grouped: rollouts ``[i*n, (i+1)*n)`` are prompt i's."""
@@ -96,7 +160,8 @@ class Generator(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Update the weights in place from ``(hf_name, tensor)`` pairs, then reset any prefix
-        cache. The stream must cover whole layers (a refit sends every weight)."""
+        cache. The stream must cover whole layers (a refit sends every weight). While a
+        generation runs in another thread, call it under ``gate.update()``."""
 
     def receive_weights(self, spec: Any, first_rank: int = 1) -> None:
         """Run the ``weight_sync`` receiver described by ``spec`` (as receiver ``first_rank``:

@@ -7,7 +7,9 @@ gets its own seeded random stream (results do not depend on batch composition, l
 per-request seeds), and the logprob of each sampled token is taken from the raw logits, which is
 vLLM's ``raw_logprobs`` semantics (see ``tandem.generation.base``). The loop stays on the device
 (per-row streams are counter-based noise, not one torch.Generator per row), with one host sync
-per step as in ``generate``.
+per step as in ``generate``. Each step runs under the generator's ``WeightGate``: when a refit
+landed since the previous step, the batch is prefilled again (prompts and the tokens so far)
+with the new weights before it goes on.
 
 On a GPU the decode steps run over a static KV cache with a prepared attention mask, and each
 step after the first is one CUDA graph replay: a small model's decode step is otherwise bound by
@@ -41,6 +43,7 @@ class _Sample:
     logprobs: list[float]
     text: str
     finish_reason: FinishReason
+    versions: list[int]
 
 
 def _target(state: dict[str, torch.Tensor], name: str, tensor: Any) -> torch.Tensor:
@@ -124,6 +127,7 @@ class HfGenerator(Generator):
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        super().__init__()
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} (got {dtype!r})")
         self.device = torch.device(device)
@@ -173,6 +177,8 @@ class HfGenerator(Generator):
                         response_text=sample.text,
                         response_logprobs=sample.logprobs,
                         finish_reason=sample.finish_reason,
+                        response_versions=sample.versions,
+                        policy_version=sample.versions[0],
                     )
                 )
         return rollouts
@@ -193,9 +199,6 @@ class HfGenerator(Generator):
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             valid[row, width - len(prompt) : width] = True
         input_ids, valid = input_ids.to(self.device), valid.to(self.device)
-        position_ids = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
-        decoder = self._static_decoder if self.static_cache else self._dynamic_decoder
-        logits, advance = decoder(input_ids, valid, position_ids, steps)
         keys = sample_keys(seeds, self.device)
         eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=self.device)
         tokens = torch.full((size, steps), self.pad_token_id, dtype=torch.long, device=self.device)
@@ -203,9 +206,18 @@ class HfGenerator(Generator):
         lengths = torch.zeros(size, dtype=torch.long, device=self.device)
         stopped = torch.zeros(size, dtype=torch.bool, device=self.device)
         stop_cut: dict[int, str] = {}
+        versions: list[int] = []  # of the weights each step ran with
+        token = tokens[:, 0]
         for step in range(steps):
-            logits = logits.float()
-            token = self._sample(logits, keys, step, params)
+            with self.gate.step() as version:  # a refit lands between two of these
+                if not versions or version != versions[-1]:  # the start, or new weights
+                    logits, advance = self._prefill(input_ids, valid, tokens[:, :step], steps)
+                    first = step
+                else:
+                    logits = advance(token, step - 1 - first)
+                logits = logits.float()
+                token = self._sample(logits, keys, step, params)
+            versions.append(version)
             active = ~stopped
             tokens[:, step] = torch.where(active, token, self.pad_token_id)
             logprob = torch.log_softmax(logits, dim=-1).gather(-1, token[:, None])[:, 0]
@@ -216,8 +228,22 @@ class HfGenerator(Generator):
                 self._cut_stop_strings(tokens, lengths, stopped, stop_cut, params.stop)
             if step + 1 == steps or bool(stopped.all()):
                 break
-            logits = advance(token, step)
-        return self._samples(tokens, logprobs, lengths, stopped, stop_cut)
+        return self._samples(tokens, logprobs, lengths, stopped, stop_cut, versions)
+
+    def _prefill(
+        self, input_ids: torch.Tensor, valid: torch.Tensor, generated: torch.Tensor, steps: int
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
+        """Prefill the prompts and the ``generated`` tokens so far (after new weights landed:
+        the KV cache is recomputed with them); the decoder's next logits and its ``advance``
+        (steps counted from here)."""
+        width, done = input_ids.shape[1], generated.shape[1]
+        if done:
+            input_ids = torch.cat([input_ids, generated], dim=1)
+            valid = valid.clone()
+            valid[:, width : width + done] = True  # finished rows' padding, as decoded
+        position_ids = (valid[:, : width + done].long().cumsum(-1) - 1).clamp(min=0)
+        decoder = self._static_decoder if self.static_cache else self._dynamic_decoder
+        return decoder(input_ids, valid, position_ids, steps - done)
 
     def _dynamic_decoder(
         self, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor, steps: int
@@ -350,6 +376,7 @@ class HfGenerator(Generator):
         lengths: torch.Tensor,
         stopped: torch.Tensor,
         stop_cut: dict[int, str],
+        versions: list[int],
     ) -> list[_Sample]:
         columns = (tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist())
         samples = []
@@ -357,7 +384,7 @@ class HfGenerator(Generator):
             ids = row_tokens[:length]
             text = stop_cut[row] if row in stop_cut else self._decode(ids)
             reason: FinishReason = "stop" if done else "length"
-            samples.append(_Sample(ids, row_logprobs[:length], text, reason))
+            samples.append(_Sample(ids, row_logprobs[:length], text, reason, versions[:length]))
         return samples
 
     def _sample(

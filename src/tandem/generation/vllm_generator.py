@@ -102,6 +102,7 @@ class VllmGenerator(Generator):
             os.environ.setdefault(key, value)
         from vllm import LLM
 
+        super().__init__()
         self.config = config
         self.device = torch.device("cpu" if _on_cpu() else "cuda")
         kwargs = engine_kwargs(model_path, config, dtype, seed, on_cpu=_on_cpu())
@@ -110,6 +111,8 @@ class VllmGenerator(Generator):
         self.llm = LLM(**kwargs)
         self._in_process = config.tensor_parallel_size == 1
         self._sleeping: set[str] = set()
+        self._labelled = -1
+        """The weight version the engine labels its outputs with (set before a step)."""
 
     @property
     def supports_sleep(self) -> bool:
@@ -133,30 +136,58 @@ class VllmGenerator(Generator):
         )
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        """``LLM.generate``'s loop, step by step: each engine step runs under the weight gate,
+        so a refit lands between two steps (``receive_weights`` then preempts the running
+        requests and they resume with the new weights). vLLM labels each output token with the
+        weight version set before the step that sampled it (``weight_versions`` of an output)."""
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
         sampling = [self._vllm_params(params, i) for i in range(len(prompts))]
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)  # type: ignore[arg-type]
+        self.llm.enqueue(prompts, sampling, use_tqdm=False)  # type: ignore[arg-type]
+        engine = self.llm.llm_engine
+        finished = []
+        while engine.has_unfinished_requests():
+            with self.gate.step() as version:
+                if version != self._labelled:
+                    engine.set_weight_version(str(version))
+                    self._labelled = version
+                finished += [output for output in engine.step() if output.finished]
+        outputs = sorted(finished, key=lambda output: int(output.request_id))
+        assert len(outputs) == len(prompts), (len(outputs), len(prompts))
+        return [
+            rollout
+            for index, output in enumerate(outputs)
+            for rollout in self._rollouts(index, prompt_token_ids[index], output, params.n)
+        ]
+
+    def _rollouts(self, index: int, prompt: list[int], output: Any, n: int) -> list[Rollout]:
+        completions = sorted(output.outputs, key=lambda c: c.index)
+        assert len(completions) == n, (len(completions), n)
         rollouts = []
-        for index, output in enumerate(outputs):
-            completions = sorted(output.outputs, key=lambda c: c.index)
-            assert len(completions) == params.n, (len(completions), params.n)
-            for completion in completions:
-                token_ids = list(completion.token_ids)
-                assert completion.logprobs is not None
-                logprobs = [
-                    float(step[t].logprob)  # type: ignore[index]
-                    for t, step in zip(token_ids, completion.logprobs, strict=True)
-                ]
-                rollouts.append(
-                    Rollout(
-                        prompt_index=index,
-                        prompt_token_ids=list(prompt_token_ids[index]),
-                        response_token_ids=token_ids,
-                        response_text=completion.text,
-                        response_logprobs=logprobs,
-                        finish_reason="length" if completion.finish_reason == "length" else "stop",
-                    )
+        for completion in completions:
+            token_ids = list(completion.token_ids)
+            assert completion.logprobs is not None
+            logprobs = [
+                float(step[t].logprob)  # type: ignore[index]
+                for t, step in zip(token_ids, completion.logprobs, strict=True)
+            ]
+            versions = [
+                int(span.version)
+                for span in completion.weight_versions or []
+                for _ in range(span.start, span.end)
+            ]
+            assert len(versions) == len(token_ids), (completion.weight_versions, token_ids)
+            rollouts.append(
+                Rollout(
+                    prompt_index=index,
+                    prompt_token_ids=list(prompt),
+                    response_token_ids=token_ids,
+                    response_text=completion.text,
+                    response_logprobs=logprobs,
+                    finish_reason="length" if completion.finish_reason == "length" else "stop",
+                    response_versions=versions,
+                    policy_version=versions[0] if versions else self._labelled,
                 )
+            )
         return rollouts
 
     def load_weights(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -177,9 +208,11 @@ class VllmGenerator(Generator):
         return self.llm.collective_rpc("tandem_kv_scales")[0]  # type: ignore[no-any-return]
 
     def reset_prefix_cache(self) -> None:
-        """Drop cached KV blocks: after a refit they hold activations of the old weights."""
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset the prefix cache (requests still running?)")
+        """Drop cached KV blocks: after a refit they hold activations of the old weights. The
+        requests of a generation under way (an in-flight refit) are preempted: they resume at
+        the next step with their KV cache recomputed by the new weights."""
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM refused to reset the prefix cache")
 
     def sleep(self) -> None:
         """Free the GPU memory of weights and KV cache (``generation.sleep_level``: 1 keeps the
