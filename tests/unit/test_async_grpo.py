@@ -4,6 +4,7 @@ the versions on rollouts, and the prompt accounting across a restart."""
 
 from __future__ import annotations
 
+import time
 import zlib
 from pathlib import Path
 
@@ -37,14 +38,15 @@ def _config(tmp_path: Path, *overrides: str) -> GrpoConfig:
     )
 
 
-def _runtime(config: GrpoConfig) -> Runtime:
+def _runtime(config: GrpoConfig, max_concurrency: int = 1) -> Runtime:
     trainer = TrainerWorker(
         policy=config.policy,
         refit=config.refit.model_copy(update={"transport": "colocated"}),
         generation=config.generation,
     )
     generator = GeneratorWorker(generation=config.generation, model_path=str(DEFAULT_MODEL_DIR))
-    return Runtime(LocalGroup([trainer], "trainer"), LocalGroup([generator], "generator"))
+    generators = LocalGroup([generator], "generator", max_concurrency=max_concurrency)
+    return Runtime(LocalGroup([trainer], "trainer"), generators)
 
 
 def _digest(source, step: int) -> float:  # type: ignore[no-untyped-def]
@@ -86,6 +88,43 @@ def test_pipeline_keeps_the_bound_and_refits_only_when_it_must(
     assert all(r["timing/trainer_idle_s"] >= 0 and "num_tokens" not in r for r in records)
 
 
+def test_in_flight_refits_land_in_the_running_generation(tmp_path: Path) -> None:
+    """refit_mode=in_flight: the refit after step s goes into the generation of step s + 1
+    while it runs (each generation here holds its second decode step until a refit waits at
+    the gate, or 1.5 s): its first tokens come from version s - 1, the rest from version s."""
+    config = _config(tmp_path, "algorithm.max_staleness=1", "algorithm.refit_mode=in_flight")
+    source = make_prompt_source(config.data, DEFAULT_MODEL_DIR, load_reward("exact_match"), 0)
+    with _runtime(config, max_concurrency=2) as runtime:
+        generator = runtime.generators.workers[0].generator  # type: ignore[union-attr]
+        sample = generator._sample
+
+        def held_sample(logits, keys, step, params):  # type: ignore[no-untyped-def]
+            if step == 1:  # the refit, if one comes, lands before step 2
+                deadline = time.monotonic() + 1.5
+                while generator.gate.waiting_updates == 0 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+            return sample(logits, keys, step, params)
+
+        generator._sample = held_sample
+        rollouts: list[list] = []  # each generation's, in order
+        collect = runtime.collect
+        runtime.collect = lambda pending: rollouts.append(collect(pending)) or rollouts[-1]  # type: ignore[method-assign]
+        pipeline = RolloutPipeline(runtime, config, source)
+        records = [pipeline.step(step) for step in range(1, 6)]
+    assert [r["async/refit"] for r in records] == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert [r["async/staleness_max"] for r in records] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    fractions = [r["async/in_flight_token_frac"] for r in records]
+    assert fractions[0] == 0.0 and fractions[4] == 0.0  # no refit while they generated
+    assert all(f > 0 for f in fractions[1:4]), fractions
+    for step, batch in enumerate(rollouts, start=1):
+        for r in batch:
+            n = len(r.response_token_ids)
+            assert r.policy_version == max(step - 2, 0)
+            mixed = [r.policy_version] * min(2, n) + [step - 1] * max(n - 2, 0)
+            assert r.response_versions == (mixed if 2 <= step <= 4 else [r.policy_version] * n)
+    assert all("rollout_correction/truncated_frac" in r for r in records)
+
+
 def test_a_restarted_pipeline_regenerates_what_ran_ahead(tmp_path: Path) -> None:
     """What was generated ahead of a checkpoint is lost with the process: a pipeline started
     at step 3 generates step 3's prompts again from the weights it holds (staleness 0)."""
@@ -106,3 +145,7 @@ def test_max_staleness_needs_split_placement_and_a_correction(tmp_path: Path) ->
         _config(tmp_path, "algorithm.max_staleness=1", "cluster.placement=colocated")
     with pytest.raises(ValueError, match="rollout_correction"):
         _config(tmp_path, "algorithm.max_staleness=1", "algorithm.rollout_correction=none")
+    with pytest.raises(ValueError, match=r"refit_mode=in_flight needs algorithm\.max_staleness"):
+        _config(tmp_path, "algorithm.refit_mode=in_flight")
+    with pytest.raises(ValueError, match="after_requests"):
+        _config(tmp_path, "algorithm.max_staleness=1", "algorithm.refit_mode=sometimes")
