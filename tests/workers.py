@@ -31,6 +31,7 @@ class EchoWorker:
         import ray
 
         names = ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "VLLM_HOST_IP"]
+        names += ["GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"]
         context = ray.get_runtime_context()
         return {
             "rank": self.rank,

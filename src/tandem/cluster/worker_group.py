@@ -37,7 +37,7 @@ from tandem.cluster.envs import build_on_all_nodes, runtime_env_for
 from tandem.cluster.envs import env_mode as resolve_env_mode
 from tandem.cluster.groups import WorkerError
 from tandem.cluster.placement import ActorSlot
-from tandem.cluster.ray_cluster import LOOPBACK, alive_nodes, loopback_interface, node_ip
+from tandem.cluster.ray_cluster import LOOPBACK, alive_nodes, bind_to, node_ip
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -55,8 +55,11 @@ class _WorkerHost:
             port = sock.getsockname()[1]
         return ray.get_runtime_context().get_node_id(), port
 
-    def start(self, cls: type, args: tuple, kwargs: dict[str, Any], env: dict[str, str]) -> None:
+    def start(
+        self, cls: type, args: tuple, kwargs: dict[str, Any], env: dict[str, str], node_ip: str
+    ) -> None:
         os.environ.update(env)
+        bind_to(node_ip)  # gloo, NCCL and vLLM listen on the node's address (loopback on one)
         self.worker = cls(*args, **kwargs)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -132,10 +135,6 @@ class WorkerGroup:
     def _runtime_env(kind: str, env_vars: dict[str, str] | None, mode: str | None) -> dict:
         variables = dict(env_vars or {})
         single_node = len(alive_nodes()) == 1
-        if single_node:  # every socket of the collectives and of vLLM on loopback
-            variables.setdefault("VLLM_HOST_IP", LOOPBACK)
-            variables.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
-            variables.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
         resolved = resolve_env_mode(mode)
         if resolved == "isolated" and not single_node:
             build_on_all_nodes([kind])  # the local build below then finds it cached
@@ -161,7 +160,7 @@ class WorkerGroup:
             ip = LOOPBACK if single_node else node_ip(node_ids[rank])
             dist = {"rank": rank, "world_size": self.num_workers, "node_ip": ip}
             init_kwargs = {**kwargs, **{k: v for k, v in dist.items() if k in extra}}
-            refs.append(actor.start.remote(worker_cls, args, init_kwargs, env))
+            refs.append(actor.start.remote(worker_cls, args, init_kwargs, env, ip))
         self.get(Futures(f"{worker_cls.__name__}.__init__", list(range(self.num_workers)), refs))
 
     def _submit(
