@@ -48,3 +48,20 @@ def test_bind_to_an_address_on_no_interface_sets_no_interface(clean_env: None) -
     bind_to("203.0.113.77")
     assert os.environ["VLLM_HOST_IP"] == "203.0.113.77"
     assert "GLOO_SOCKET_IFNAME" not in os.environ and "NCCL_SOCKET_IFNAME" not in os.environ
+
+
+def test_the_single_node_switch_is_off_only_while_a_local_cluster_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ray._private import ray_constants, services
+
+    from tandem.cluster.ray_cluster import _single_node_switch
+
+    name = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    monkeypatch.setenv(name, "1")
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    with _single_node_switch():
+        assert os.environ[name] == "0"  # for the processes the cluster starts
+        assert services.resolve_ip_for_localhost("127.0.0.1") == "127.0.0.1"  # ray.init's call
+    assert os.environ[name] == "1"
+    assert before is ray_constants.ENABLE_RAY_CLUSTER
