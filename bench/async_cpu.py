@@ -3,13 +3,15 @@ alternating (sync, async, sync, async, ...).
 
 Both run the ``grpo_async`` recipe (split placement, one trainer and one generator, one thread
 each) with the same prompts, seeds and steps; the synchronous run sets
-``algorithm.max_staleness=0``. A run's throughput is its samples (prompts x generations) over the
-seconds of its steps after the first (``timing/step_s``: generation, training and refit, not
-evaluation); its reward curve is ``train/reward_mean`` per step, and the held-out greedy accuracy
-at the start and the end. One JSON line per run, then the medians over rounds, their spread and
-the ratio.
+``algorithm.max_staleness=0``; ``--refit-mode`` picks how the async run's refits meet a running
+generation (``algorithm.refit_mode``: after_requests, the default, or in_flight). A run's
+throughput is its samples (prompts x generations) over the seconds of its steps after the first
+(``timing/step_s``: generation, training and refit, not evaluation); its reward curve is
+``train/reward_mean`` per step, and the held-out greedy accuracy at the start and the end. One
+JSON line per run, then the medians over rounds, their spread and the ratio.
 
     ./run.sh python bench/async_cpu.py [--rounds 2] [--steps 40] [--max-staleness 1]
+        [--refit-mode after_requests|in_flight]
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from pathlib import Path
 from ceilings import emit
 
 
-def run(mode: str, steps: int, staleness: int, root: Path, index: int) -> dict:
+def run(mode: str, steps: int, staleness: int, refit_mode: str, root: Path, index: int) -> dict:
     name = f"{mode}-{index}"
+    asynchronous = mode == "async"
     overrides = [
-        f"algorithm.max_staleness={staleness if mode == 'async' else 0}",
+        f"algorithm.max_staleness={staleness if asynchronous else 0}",
+        f"algorithm.refit_mode={refit_mode if asynchronous else 'after_requests'}",
         f"algorithm.num_steps={steps}",
         f"algorithm.eval_every={steps}",
         "cluster.env_mode=shared",
@@ -61,6 +65,7 @@ def run(mode: str, steps: int, staleness: int, root: Path, index: int) -> dict:
         "trainer_idle_s_mean": mean_of(train, "timing/trainer_idle_s"),
         "generator_idle_s_mean": mean_of(train, "timing/generator_idle_s"),
         "staleness_mean": mean_of(train, "async/staleness_mean"),
+        "in_flight_token_frac": mean_of(train, "async/in_flight_token_frac"),
         "reward_first10": statistics.mean(rewards[:10]),
         "reward_last10": statistics.mean(rewards[-10:]),
         "eval_start": records[0].get("eval/accuracy"),
@@ -79,12 +84,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument(
+        "--refit-mode", choices=["after_requests", "in_flight"], default="after_requests"
+    )
     args = parser.parse_args()
     results: dict[str, list[dict]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory(prefix="async-bench-") as tmp:
         for index in range(args.rounds):
             for mode in ("sync", "async"):
-                record = run(mode, args.steps, args.max_staleness, Path(tmp), index)
+                record = run(
+                    mode, args.steps, args.max_staleness, args.refit_mode, Path(tmp), index
+                )
                 results[mode].append(record)
                 emit({"bench": "async_cpu", **record})
     summary: dict[str, float | list[float]] = {}
@@ -99,7 +109,8 @@ def main() -> None:
     ratios = [a["samples_per_s"] / s["samples_per_s"] for s, a in pairs]
     summary["ratio_per_round"] = ratios
     summary["ratio_median"] = statistics.median(ratios)
-    emit({"bench": "async_cpu", "summary": True, "max_staleness": args.max_staleness, **summary})
+    settings = {"max_staleness": args.max_staleness, "refit_mode": args.refit_mode}
+    emit({"bench": "async_cpu", "summary": True, **settings, **summary})
 
 
 if __name__ == "__main__":
