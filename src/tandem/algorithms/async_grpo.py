@@ -168,7 +168,10 @@ class RolloutPipeline:
         return self._refit(step)
 
     def _refit(self, step: int) -> dict[str, float]:
-        stats = self.runtime.refit(version=step)
+        # after_requests: the trainers go on training while the generators load the weights
+        # (their next generation runs after the load); in flight, the load is waited for, so a
+        # generation submitted next never starts on the old weights
+        stats = self.runtime.refit(version=step, wait_generators=self.in_flight)
         self.version = step
         return stats
 

@@ -81,3 +81,8 @@ class PipelinedRuntime(RolloutRuntime, Protocol):
     def collect(self, pending: PendingGeneration) -> list[Rollout]:
         """The rollouts of ``submit_generate`` in prompt order (waits for them)."""
         ...
+
+    def refit(self, version: int | None = None, wait_generators: bool = True) -> dict[str, float]:
+        """As ``RolloutRuntime.refit``; ``wait_generators=False`` returns once the trainers have
+        sent, while the generators still load (their next call runs after it)."""
+        ...

@@ -132,6 +132,8 @@ class Runtime:
         """The Ray placement group of a started runtime (None in-process)."""
         self.weights_version = 0
         """The label of the generators' weights: the ``version`` of the last refit."""
+        self._loading: Any = None
+        """The generators' pending side of a refit that did not wait for it."""
 
     @classmethod
     def start(cls, spec: RuntimeSpec) -> Runtime:
@@ -337,6 +339,7 @@ class Runtime:
     def collect(self, pending: PendingGeneration) -> list[Rollout]:
         """The rollouts of a ``submit_generate``, in prompt order (waits for them)."""
         assert self.generators is not None
+        self._settle_refit()
         results = self.generators.get(pending.futures)
         rollouts = []
         for chunk, (chunk_rollouts, idle_s) in zip(pending.chunks, results, strict=True):
@@ -372,12 +375,20 @@ class Runtime:
         return dict(results[0])
 
     # -- refit --------------------------------------------------------------------------------
-    def refit(self, version: int | None = None) -> dict[str, float]:
+    def refit(self, version: int | None = None, wait_generators: bool = True) -> dict[str, float]:
         """Trainer weights into every generator: metadata once, then buckets, concurrently.
         ``version`` labels them (the optimizer steps behind them; None: the last label given,
-        the same policy sent again). With ``in_flight_refit`` it lands in a running generation."""
+        the same policy sent again). With ``in_flight_refit`` it lands in a running generation.
+
+        ``wait_generators=False`` (split placement, generators that run their calls in order)
+        returns once the trainers have sent: the generators load the weights (most of a small
+        model's refit, vLLM's reload) while the caller goes on, e.g. trains; their next call runs
+        after the load, and ``collect`` or the next refit raises its failure."""
         if self.generators is None:
             return {}
+        self._settle_refit()
+        if not wait_generators and self.memory_phases:
+            raise ValueError("wait_generators=False needs split placement (no memory phases)")
         self._enter(policy=True, reference=False, generators="weights")
         if self.memory_phases:  # the refit's own peak, apart from training's
             self.trainers.run("memory_stats", reset_peak=True)
@@ -386,7 +397,10 @@ class Runtime:
         if version is not None:
             self.weights_version = version
         receiving = self.generators.run_async("receive_weights", spec, self.weights_version)
-        sent, _ = get_together([(self.trainers, sending), (self.generators, receiving)])
+        if wait_generators:
+            sent, _ = get_together([(self.trainers, sending), (self.generators, receiving)])
+        else:
+            sent = self._sent_while_loading(sending, receiving)
         stats = sent[0]
         self._phase.weights_current = True
         if self.memory_phases:
@@ -395,6 +409,24 @@ class Runtime:
                 self._metrics["memory/trainer_peak_refit_bytes"] = memory["peak_bytes"]
                 self._metrics["memory/trainer_resident_bytes"] = memory["allocated_bytes"]
         return dict(stats)
+
+    def _sent_while_loading(self, sending: Any, receiving: Any, poll_s: float = 0.25) -> list:
+        """The trainers' send results; the generators' receive stays pending (``_loading``),
+        but a generator that fails before the send ends is raised at once."""
+        assert self.generators is not None
+        self._loading = receiving
+        while not self.trainers.ready(sending, poll_s):
+            if self.generators.ready(receiving, 0.0):
+                self._settle_refit()
+                break
+        return self.trainers.get(sending)
+
+    def _settle_refit(self) -> None:
+        """Wait for the generators' side of a refit that did not wait for it; raise its failure."""
+        loading, self._loading = self._loading, None
+        if loading is not None:
+            assert self.generators is not None
+            self.generators.get(loading)
 
     # -- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> None:
