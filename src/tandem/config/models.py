@@ -314,7 +314,7 @@ class EnvironmentConfig(Section):
     """Multi-turn episodes against an environment (``tandem.environments``)."""
 
     name: str
-    """calculator, guess_number, or an import path 'package.module:Class'."""
+    """arithmetic_feedback, calculator, guess_number, or an import path 'package.module:Class'."""
     kwargs: dict[str, Any] = {}
     """Keyword arguments of the environment's constructor (and of its ``samples``)."""
     max_turns: int = Field(4, ge=1)

