@@ -26,8 +26,16 @@ def _records(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def _seed(run: Path) -> int:
-    return int(json.loads((run / "config.json").read_text())["algorithm"]["seed"])
+def _config(run: Path) -> dict[str, Any]:
+    return dict(json.loads((run / "config.json").read_text()))
+
+
+def _mean5(values: list[float]) -> list[float]:
+    """The mean of each value and the four before it (fewer at the start)."""
+    return [
+        sum(values[max(0, i - 4) : i + 1]) / len(values[max(0, i - 4) : i + 1])
+        for i in range(len(values))
+    ]
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -51,19 +59,23 @@ def main(out: Path, runs: list[Path]) -> None:
     print("| seed | step | solved (2 tries) | first try | second try, first wrong |")
     print("|---|---|---|---|---|")
     for run in runs:
-        records, seed = _records(run), _seed(run)
+        records, config = _records(run), _config(run)
+        seed = config["algorithm"]["seed"]
         steps, reward = _series(records, "train/reward_mean")
-        train.plot(steps, reward, "-", label=f"reward, seed {seed}")
-        steps, turns = _series(records, "env/turns_mean")
-        train.plot(steps, [2 - t for t in turns], ":", label=f"first-try share, seed {seed}")
+        line = train.plot(steps, reward, "-", alpha=0.35, label=f"reward, seed {seed}")[0]
+        train.plot(steps, _mean5(reward), "-", color=line.get_color(), label="  its 5-step mean")
         rows = _held_out(records)
         steps = [r[0] for r in rows]
         held.plot(steps, [r[2] for r in rows], "o-", label=f"first try, seed {seed}")
         held.plot(steps, [r[3] for r in rows], "s--", label=f"2nd try if 1st wrong, seed {seed}")
         for step, solved, first, second in rows:
             print(f"| {seed} | {step} | {solved:.3f} | {first:.3f} | {second:.3f} |")
-    train.set_title("training (sampled, T=1): 32 problems x 8 episodes a step")
-    held.set_title("held-out greedy: 128 problems")
+    algorithm = config["algorithm"]
+    train.set_title(
+        f"training reward (sampled, T=1; {algorithm['prompts_per_step']} problems x "
+        f"{algorithm['num_generations']} episodes a step)"
+    )
+    held.set_title(f"held-out, greedy ({config['data']['num_eval_prompts']} problems)")
     for ax in (train, held):
         ax.set_xlabel("step")
         ax.set_ylim(-0.02, 1.02)

@@ -113,7 +113,7 @@ def test_a_step_past_the_token_budget_with_seeds(vllm_generator) -> None:
     ids = [[rng.randint(40, 60) for _ in range(30)] for _ in range(300)]
     params = SamplingParams(temperature=1.0, max_tokens=2, seed=3)
     rollouts = vllm_generator.generate(ids, params)
-    assert len(rollouts) == 300 and all(len(r.response_token_ids) == 2 for r in rollouts)
+    assert len(rollouts) == 300 and all(1 <= len(r.response_token_ids) <= 2 for r in rollouts)
     again = vllm_generator.generate(ids, params)
     assert [r.response_token_ids for r in again] == [r.response_token_ids for r in rollouts]
 

@@ -216,6 +216,12 @@ def test_arithmetic_feedback_rules() -> None:
     assert first.step("2") == ("", 1.0, True)
     with pytest.raises(ValueError, match="retry_penalty"):
         ArithmeticFeedbackEnv(retry_penalty=2.0)
+    for feedback, hint in (("flipped", "lower: 3-1="), ("wrong", "wrong: 3-1=")):
+        control = ArithmeticFeedbackEnv(feedback=feedback)
+        control.reset({"prompt": "3-1=", "answer": "2"})
+        assert control.step("1") == (hint, 0.0, False)
+    with pytest.raises(ValueError, match="feedback"):
+        ArithmeticFeedbackEnv(feedback="maybe")
     # the embedded task's splits: training rows never held out; held-out rows fixed by the task
     task = ArithmeticTask()
     train = ArithmeticFeedbackEnv.samples(200, seed=1)

@@ -7,6 +7,9 @@ held-out split); a correct answer (the first integer of the turn) ends the episo
 1 on the first try, ``retry_penalty`` less per later try; a wrong one gets ``higher: 17+25=`` or
 ``lower: 17+25=`` (the answer is higher or lower than the guess; ``no number: ...`` when the
 turn had none) and the model answers again, until ``environment.max_turns`` runs out (reward 0).
+
+``feedback`` is for measuring whether a model uses the hint: ``flipped`` says the opposite
+direction, ``wrong`` says only ``wrong: 17+25=`` (``scripts/eval_feedback.py``).
 """
 
 from __future__ import annotations
@@ -17,19 +20,24 @@ import re
 from tandem.data.arithmetic import ArithmeticTask
 
 _INTEGER = re.compile(r"-?\d+")
+FEEDBACK = ("direction", "flipped", "wrong")
 
 
 class ArithmeticFeedbackEnv:
     """One problem. ``samples()`` rows are the embedded task's ``{"prompt", "answer"}``."""
 
-    def __init__(self, retry_penalty: float = 0.5, num_digits: int = 2):
+    def __init__(
+        self, retry_penalty: float = 0.5, feedback: str = "direction", num_digits: int = 2
+    ):
         """``num_digits`` (the operands' digits) is for ``samples()``; a game takes its problem
         from the sample."""
         if not 0.0 <= retry_penalty <= 1.0:
             raise ValueError(
                 f"arithmetic_feedback: retry_penalty must be in [0, 1] (got {retry_penalty})"
             )
-        self.retry_penalty = retry_penalty
+        if feedback not in FEEDBACK:
+            raise ValueError(f"arithmetic_feedback: feedback must be one of {FEEDBACK}")
+        self.retry_penalty, self.feedback = retry_penalty, feedback
         self.prompt, self.answer, self.tries = "", 0, 0
 
     @staticmethod
@@ -55,5 +63,7 @@ class ArithmeticFeedbackEnv:
         guess = int(match.group())
         if guess == self.answer:
             return "", max(0.0, 1.0 - self.retry_penalty * (self.tries - 1)), True
-        hint = "higher" if guess < self.answer else "lower"
-        return f"{hint}: {self.prompt}", 0.0, False
+        if self.feedback == "wrong":
+            return f"wrong: {self.prompt}", 0.0, False
+        higher = (guess < self.answer) != (self.feedback == "flipped")
+        return f"{'higher' if higher else 'lower'}: {self.prompt}", 0.0, False
