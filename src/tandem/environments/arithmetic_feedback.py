@@ -1,12 +1,13 @@
 """The embedded arithmetic task with feedback: answer a sum; when wrong, hear higher or lower
 and try again.
 
-A multi-turn task the embedded model already half-knows (held-out greedy accuracy ~0.23 on the
-first try): the first observation is the problem (``17+25=``, the embedded task's format and
-held-out split); a correct answer (the first integer of the turn) ends the episode with reward
-1 on the first try, ``retry_penalty`` less per later try; a wrong one gets ``higher: 17+25=`` or
-``lower: 17+25=`` (the answer is higher or lower than the guess; ``no number: ...`` when the
-turn had none) and the model answers again, until ``environment.max_turns`` runs out (reward 0).
+A multi-turn task the embedded model already half-knows (held-out greedy accuracy 0.23 - 0.33
+on the first try, on 128 - 512 problems): the first observation is the problem (``17+25=``,
+the embedded task's format and held-out split); a correct answer (the first integer of the
+turn) ends the episode with reward 1 on the first try, ``retry_penalty`` less per later try;
+a wrong one gets ``higher: 17+25=`` or ``lower: 17+25=`` (the answer is higher or lower than
+the guess; ``no number: ...`` when the turn had none) and the model answers again, until
+``environment.max_turns`` runs out (reward 0).
 
 ``feedback`` is for measuring whether a model uses the hint: ``flipped`` says the opposite
 direction, ``wrong`` says only ``wrong: 17+25=`` (``scripts/eval_feedback.py``).
