@@ -13,6 +13,9 @@ running and decides two things only:
   generators let the new weights in between two decode steps: the running requests go on with
   them (their KV cache recomputed), the trainers do not wait for the generation to end.
 
+Rewards: a thread of the pipeline collects and scores each generation as soon as it ends, so
+scoring overlaps training instead of delaying it.
+
 Versions. The generators label their weights with the version of each refit and every token
 with the label of the weights that sampled it (``Rollout.response_versions``); a rollout's
 ``policy_version`` is the oldest, its first token's. The bound is checked when a generation is
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,6 +50,7 @@ from tandem.data.prompts import PromptSource
 
 if TYPE_CHECKING:
     from tandem.cluster.runtime import PendingGeneration
+    from tandem.generation.base import SamplingParams
 
 
 @dataclass
@@ -56,7 +61,8 @@ class _Generation:
     prompts: list[dict[str, str]]
     version: int
     """Optimizer steps of the weights the generators held when it was submitted."""
-    pending: PendingGeneration
+    scored: Future[Groups]
+    """Its rollouts and rewards: collected and scored in the pipeline's thread."""
 
 
 class RolloutPipeline:
@@ -74,6 +80,10 @@ class RolloutPipeline:
         self.running: _Generation | None = None
         self.done: dict[int, tuple[_Generation, Groups]] = {}
         self._waited = 0.0
+        # Collects and scores each generation as soon as it ends, while the trainers train: the
+        # rewards leave the trainers' path. One thread, and the driver's own thread touches
+        # neither the tokenizer nor the scorer until it has waited for it (``_drain``).
+        self._scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-scoring")
         self.trained = -1
         """The last step trained (-1 before the first)."""
 
@@ -132,25 +142,38 @@ class RolloutPipeline:
         if self.running is not None or j > self.config.algorithm.num_steps or not self._allowed(j):
             return
         prompts = self.source.train_prompts(j - 1, self.config.algorithm.prompts_per_step)
+        params = rollout_params(self.config, j)
         pending = self.runtime.submit_generate(
-            [self.source.encode(p["prompt"]) for p in prompts], rollout_params(self.config, j)
+            [self.source.encode(p["prompt"]) for p in prompts], params
         )
-        self.running = _Generation(j, prompts, self.version, pending)
+        scored = self._scoring.submit(
+            self._collect_and_score, pending, prompts, params, self.version
+        )
+        self.running = _Generation(j, prompts, self.version, scored)
         self.next_step = j + 1
 
+    def _collect_and_score(
+        self,
+        pending: PendingGeneration,
+        prompts: list[dict[str, str]],
+        params: SamplingParams,
+        version: int,
+    ) -> Groups:
+        rollouts = self.runtime.collect(pending)
+        # the generators label versions; none is older than the weights held at submission
+        assert all(r.policy_version >= version for r in rollouts), version
+        rewards, scoring = score(self.config, self.source, prompts, rollouts, params)
+        return Groups(rollouts, rewards, scoring)
+
     def _drain(self) -> None:
-        """Wait for the running generation and score it (the trainers idle meanwhile)."""
+        """Wait until the running generation is over and scored (the trainers idle meanwhile)."""
         if self.running is None:
             return
         generation, self.running = self.running, None
         t0 = time.perf_counter()
-        rollouts = self.runtime.collect(generation.pending)
+        groups = generation.scored.result()
         self._waited += time.perf_counter() - t0
-        # the generators label versions; none is older than the weights held at submission
-        assert all(r.policy_version >= generation.version for r in rollouts), generation.version
-        params = rollout_params(self.config, generation.step)
-        rewards, scoring = score(self.config, self.source, generation.prompts, rollouts, params)
-        self.done[generation.step] = (generation, Groups(rollouts, rewards, scoring))
+        self.done[generation.step] = (generation, groups)
 
     def _take(self, step: int) -> tuple[_Generation, Groups]:
         if step not in self.done:

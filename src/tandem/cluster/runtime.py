@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -134,6 +135,7 @@ class Runtime:
         """The label of the generators' weights: the ``version`` of the last refit."""
         self._loading: Any = None
         """The generators' pending side of a refit that did not wait for it."""
+        self._loading_lock = threading.Lock()  # collect may run in another thread
 
     @classmethod
     def start(cls, spec: RuntimeSpec) -> Runtime:
@@ -414,7 +416,8 @@ class Runtime:
         """The trainers' send results; the generators' receive stays pending (``_loading``),
         but a generator that fails before the send ends is raised at once."""
         assert self.generators is not None
-        self._loading = receiving
+        with self._loading_lock:
+            self._loading = receiving
         while not self.trainers.ready(sending, poll_s):
             if self.generators.ready(receiving, 0.0):
                 self._settle_refit()
@@ -423,7 +426,8 @@ class Runtime:
 
     def _settle_refit(self) -> None:
         """Wait for the generators' side of a refit that did not wait for it; raise its failure."""
-        loading, self._loading = self._loading, None
+        with self._loading_lock:
+            loading, self._loading = self._loading, None
         if loading is not None:
             assert self.generators is not None
             self.generators.get(loading)
