@@ -1,10 +1,12 @@
 """The HF generator's GPU decode (static cache, one CUDA graph replay per step) against its
-dynamic-cache decode: the same tokens and logprobs, the logprobs the model's own."""
+dynamic-cache decode: the same tokens and logprobs, the logprobs the model's own; and an
+in-flight refit under it (the re-prefill after new weights captures a new graph)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from in_flight import check_versions_and_logprobs, generate_with_refit_after, perturbed
 
 from tandem.assets import DEFAULT_MODEL_DIR
 from tandem.generation import SamplingParams
@@ -34,3 +36,23 @@ def test_graphed_decode_matches_the_dynamic_cache() -> None:
         response = torch.tensor(g.response_token_ids, device="cuda:0")[:, None]
         direct = torch.log_softmax(logits, -1).gather(-1, response)[:, 0]
         assert g.response_logprobs == pytest.approx(direct.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_in_flight_refit_under_cuda_graphs(k: int) -> None:
+    gen = HfGenerator(DEFAULT_MODEL_DIR, device="cuda:0", dtype="float32")
+    new = perturbed(seed=1)
+    texts = ["17+25=", "3-1=", "Question: 12*3?\n"]  # as the CPU test's
+    prompts = [gen.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    params = SamplingParams(temperature=1.0, max_tokens=8, n=2, seed=3)
+
+    def refit() -> None:
+        with gen.gate.update(version=1):
+            gen.load_weights(iter(new.items()))
+
+    rollouts = generate_with_refit_after(gen, (gen, "_sample"), k, refit, prompts, params)
+    assert gen.cuda_graphs  # the captures held, before and after the re-prefill
+    assert max(len(r.response_token_ids) for r in rollouts) > k
+    old_model, new_model = HfGenerator(DEFAULT_MODEL_DIR), HfGenerator(DEFAULT_MODEL_DIR)
+    new_model.load_weights(iter(new.items()))
+    check_versions_and_logprobs(rollouts, k, old_model.model, new_model.model, atol=1e-4)
