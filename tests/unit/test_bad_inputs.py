@@ -82,6 +82,19 @@ CASES: dict[str, tuple[Setup, str]] = {
         lambda t: ["grpo", "--config", "grpo_guess_number", "environment.name=nope"],
         "environment 'nope' is neither a built-in",
     ),
+    "environment module missing": (
+        lambda t: ["grpo", "--config", "grpo_guess_number", "environment.name=no_such_mod:Env"],
+        "environment 'no_such_mod:Env': cannot import module 'no_such_mod'",
+    ),
+    "environment not a class": (
+        lambda t: [
+            "grpo",
+            "--config",
+            "grpo_guess_number",
+            "environment.name=tandem.rewards:exact_match",
+        ],
+        "'exact_match' is a function, not a class",
+    ),
     "environment task, no environment": (
         lambda t: ["grpo", "data.task=environment"],
         "no environment section",

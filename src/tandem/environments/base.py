@@ -8,9 +8,10 @@ Write an environment as a class with ``reset(sample) -> str`` and ``step(respons
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+from tandem.imports import import_named
 
 BUILTIN_ENVIRONMENTS: dict[str, str] = {
     "arithmetic_feedback": "tandem.environments.arithmetic_feedback:ArithmeticFeedbackEnv",
@@ -48,19 +49,10 @@ class EnvReply:
 def environment_class(spec: str) -> type:
     """The class named by ``spec``: a built-in name or ``package.module:Class``."""
     path = BUILTIN_ENVIRONMENTS.get(spec, spec)
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(
-            f"environment {spec!r} is neither a built-in ({', '.join(BUILTIN_ENVIRONMENTS)}) "
-            "nor an import path 'package.module:Class'"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"environment {spec!r}: cannot import {module_name!r} ({exc})") from exc
-    cls = getattr(module, attr, None)
+    cls = import_named("environment", path, BUILTIN_ENVIRONMENTS, "Class")
     if not isinstance(cls, type):
-        raise ValueError(f"environment {spec!r}: {module_name!r} has no class {attr!r}")
+        attr = path.partition(":")[2]
+        raise ValueError(f"environment {spec!r}: {attr!r} is a {type(cls).__name__}, not a class")
     return cls
 
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-
+from tandem.imports import import_named
 from tandem.rewards.base import RewardFn, checked
 from tandem.rewards.exact_match import exact_match
 from tandem.rewards.math_answer import math_verify_reward
@@ -15,23 +14,9 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 
 
 def _import_reward(spec: str) -> RewardFn:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(
-            f"reward {spec!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor an "
-            "import path 'package.module:function'"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(
-            f"reward {spec!r}: cannot import module {module_name!r} ({exc}); check the path and "
-            "that the module is installed or on PYTHONPATH"
-        ) from exc
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    fn = import_named("reward", spec, BUILTIN_REWARDS, "function")
     if not callable(fn):
+        attr = spec.partition(":")[2]
         raise ValueError(f"reward {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
     return fn  # type: ignore[no-any-return]
 
