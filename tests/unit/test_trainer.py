@@ -10,7 +10,9 @@ import transformers
 from test_trainer_support import make_batch, policy, token_nll, write_tiny_qwen2
 
 from tandem.config.models import OptimizerConfig
+from tandem.data.batch import TrainBatch
 from tandem.trainer import PolicyTrainer
+from tandem.trainer.logprobs import right_padded
 from tandem.trainer.schedule import lr_factor
 
 
@@ -42,6 +44,26 @@ def test_logprobs_equal_full_logits_for_any_chunk_size(model_dir: Path) -> None:
     for chunk_size in (1, 1000):
         trainer.model.chunk_size = chunk_size
         assert torch.allclose(trainer.logprobs(batch), chunked, atol=1e-6, rtol=0)
+
+
+def test_right_padding_runs_causal_without_a_mask_other_padding_keeps_it(model_dir: Path) -> None:
+    """A right-padded batch (the trainer's layout) is computed without its mask and gives the
+    masked call's logprobs; a mask with padding before real tokens is still applied."""
+    batch = make_batch(size=6)
+    assert right_padded(batch.attention_mask)
+    trainer = PolicyTrainer(policy(model_dir))
+    expected, _ = full_logits_logprobs(trainer.lm, batch)
+    assert torch.allclose(trainer.logprobs(batch), expected, atol=1e-6, rtol=0)
+
+    left = TrainBatch(
+        batch.input_ids.flip(-1), batch.attention_mask.flip(-1), batch.loss_mask.flip(-1)
+    )
+    assert not right_padded(left.attention_mask)
+    expected_left, _ = full_logits_logprobs(trainer.lm, left)
+    got = trainer.model(left.input_ids, left.attention_mask)[0].detach()
+    assert torch.allclose(got, expected_left, atol=1e-6, rtol=0)
+    unmasked = trainer.model(left.input_ids, None)[0].detach() * left.attention_mask
+    assert not torch.allclose(unmasked, expected_left, atol=1e-3, rtol=0)  # the mask matters
 
 
 def grads_at_step(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
