@@ -50,6 +50,12 @@ def test_train_prompts_depend_only_on_seed_and_step() -> None:
     assert a.train_prompts(4, 3) == b.train_prompts(4, 3)
     epoch = [p["prompt"] for step in range(5) for p in a.train_prompts(step, 2)]
     assert sorted(epoch) == sorted(str(i) for i in range(10))  # one epoch covers every item
+    # what a source served before does not change a step's prompts (epoch orders are cached)
+    fresh = PromptSource(items, items, None, lambda *_: 0.0, seed=3)
+    assert a.train_prompts(3, 3) == fresh.train_prompts(3, 3)  # spans epochs 0 and 1
+    assert a.train_prompts(0, 2) == PromptSource(
+        items, items, None, lambda *_: 0.0, 3
+    ).train_prompts(0, 2)
 
 
 def rollout(index: int, prompt: list[int], response: list[int]) -> Rollout:

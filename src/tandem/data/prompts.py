@@ -40,6 +40,7 @@ class PromptSource:
         self.environments: Any = None
         """Multi-turn runs: where the environments live (an ``EnvironmentRunner``, set by the
         driver); the environments give the rewards then, not ``reward``."""
+        self._order: tuple[int, np.ndarray] | None = None
 
     @property
     def pad_token_id(self) -> int:
@@ -57,9 +58,16 @@ class PromptSource:
         out = []
         for position in range(step * count, (step + 1) * count):
             epoch, offset = divmod(position, len(self.train))
-            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.train))
-            out.append(self.train[int(order[offset])])
+            out.append(self.train[int(self._epoch_order(epoch)[offset])])
         return out
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        """The seeded permutation of epoch ``epoch`` (the last one is kept: drawing it took
+        0.5 ms per prompt, 4 ms of the embedded task's 0.15 s step)."""
+        if self._order is None or self._order[0] != epoch:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.train))
+            self._order = (epoch, order)
+        return self._order[1]
 
     def refill_prompts(self, step: int, round_index: int, count: int) -> list[dict[str, str]]:
         """``count`` more prompts for step ``step``'s refill round ``round_index`` (dynamic
