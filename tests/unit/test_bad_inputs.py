@@ -230,3 +230,15 @@ def test_help_config_lists_every_key_with_type_default_and_doc() -> None:
         timeout=60,
     )
     assert result.returncode == 0 and "algorithm.batch_size: int = 32" in result.stdout
+
+
+def test_preflight_checks_the_model_folder_without_importing_torch() -> None:
+    """A bad input is reported before torch's import (seconds): the weights' check reads the
+    safetensors header without a torch framework."""
+    code = (
+        "import sys; from tandem.preflight import check_model_folder; "
+        "from tandem.assets import DEFAULT_MODEL_DIR; check_model_folder(DEFAULT_MODEL_DIR); "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
