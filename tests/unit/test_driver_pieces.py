@@ -56,6 +56,9 @@ def test_train_prompts_depend_only_on_seed_and_step() -> None:
     assert a.train_prompts(0, 2) == PromptSource(
         items, items, None, lambda *_: 0.0, 3
     ).train_prompts(0, 2)
+    a.train = items[:4]  # fewer items: another permutation, not the kept one
+    fewer = PromptSource(items[:4], [], None, lambda *_: 0.0, seed=3)
+    assert a.train_prompts(0, 4) == fewer.train_prompts(0, 4)
 
 
 def rollout(index: int, prompt: list[int], response: list[int]) -> Rollout:

@@ -40,7 +40,7 @@ class PromptSource:
         self.environments: Any = None
         """Multi-turn runs: where the environments live (an ``EnvironmentRunner``, set by the
         driver); the environments give the rewards then, not ``reward``."""
-        self._order: tuple[int, np.ndarray] | None = None
+        self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
 
     @property
     def pad_token_id(self) -> int:
@@ -63,10 +63,12 @@ class PromptSource:
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         """The seeded permutation of epoch ``epoch`` (the last one is kept: drawing it took
-        0.5 ms per prompt, 4 ms of the embedded task's 0.15 s step)."""
-        if self._order is None or self._order[0] != epoch:
+        0.5 ms per prompt, 4 ms of the embedded task's 0.15 s step). It depends on the seed,
+        the epoch and the number of items only, which key it."""
+        key = (self.seed, epoch, len(self.train))
+        if self._order is None or self._order[0] != key:
             order = np.random.default_rng([self.seed, epoch]).permutation(len(self.train))
-            self._order = (epoch, order)
+            self._order = (key, order)
         return self._order[1]
 
     def refill_prompts(self, step: int, round_index: int, count: int) -> list[dict[str, str]]:
