@@ -89,7 +89,7 @@ def test_key_follows_requirements_only(project: Path) -> None:
     assert _builder(project).requirements(b) == [PROBE]  # from the cache
 
 
-def test_build_then_reuse(project: Path) -> None:
+def test_build_then_reuse(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = EnvSpec("a", ("a",))
     first = _builder(project).ensure(spec)
     assert first.built and first.complete
@@ -103,7 +103,12 @@ def test_build_then_reuse(project: Path) -> None:
     assert Path(out.stdout.strip()) == first.path  # relocated venv knows its new home
     marker_mtime = (first.path / envs.MARKER).stat().st_mtime_ns
 
+    walked: list[Path] = []
+    real_size = envs._dir_size
+    monkeypatch.setattr(envs, "_dir_size", lambda path: walked.append(path) or real_size(path))
     second = _builder(project).ensure(spec)
+    assert walked == []  # reusing an environment does not walk its files (seconds for vLLM's)
+    assert second.size_bytes > 0 and walked == [first.path]  # a listing still sizes it
     assert not second.built and second.path == first.path
     assert (first.path / envs.MARKER).stat().st_mtime_ns == marker_mtime
     assert [(i.name, i.complete) for i in envs.list_envs()] == [("a", True)]

@@ -102,13 +102,17 @@ class EnvInfo:
     key: str
     path: Path
     complete: bool
-    size_bytes: int
     build_seconds: float | None = None
     built: bool = False
 
     @property
     def python(self) -> Path:
         return self.path / "bin" / "python"
+
+    @property
+    def size_bytes(self) -> int:
+        """Walks the folder (seconds for vLLM's): only listings ask, never a run's start."""
+        return _dir_size(self.path) if self.path.exists() else 0
 
     def __str__(self) -> str:
         state = "complete" if self.complete else "INCOMPLETE"
@@ -365,7 +369,6 @@ def read_info(path: Path, name: str | None = None, key: str | None = None) -> En
         key=key,
         path=path,
         complete=complete,
-        size_bytes=_dir_size(path) if path.exists() else 0,
         build_seconds=marker.get("build_seconds"),
     )
 
