@@ -1,0 +1,67 @@
+"""The local Ray cluster a run starts: no idle workers in the driver's environment.
+
+Ray starts one idle Python worker per CPU for the first driver, in the driver's environment.
+tandem's actors run in their own environments (or with their own variables), so those workers
+are never used; on a 2-core machine their imports took 3 CPU-seconds of the actors' start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.ray
+
+DRIVER = """
+import sys
+from tandem.cluster.ray_cluster import init_ray
+init_ray(num_cpus=2)
+print("up", flush=True)
+sys.stdin.read()  # stay connected until the test closes stdin
+"""
+
+
+def workers_under(root: psutil.Process) -> list[str]:
+    """Command lines of Ray's Python workers (``default_worker.py``) under ``root``."""
+    found = []
+    for process in root.children(recursive=True):
+        try:
+            command = process.cmdline()
+        except psutil.Error:
+            continue
+        # a worker runs default_worker.py, then renames itself ray::IDLE (the raylet's own
+        # command line names default_worker.py inside an option)
+        if any(arg.endswith("default_worker.py") for arg in command) or (
+            command and command[0].startswith("ray::IDLE")
+        ):
+            found.append(" ".join(command)[:120])
+    return found
+
+
+def test_a_local_cluster_starts_no_idle_workers() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own cluster
+    with subprocess.Popen(
+        [sys.executable, "-c", DRIVER],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    ) as driver:
+        assert driver.stdout is not None and driver.stdin is not None
+        assert driver.stdout.readline().strip() == "up"
+        root = psutil.Process(driver.pid)
+        seen: list[str] = []
+        deadline = time.monotonic() + 5  # prestarted workers appear within a second or two
+        while time.monotonic() < deadline and not seen:
+            seen = workers_under(root)
+            time.sleep(0.2)
+        raylets = [p for p in root.children(recursive=True) if "raylet" in p.name()]
+        driver.stdin.close()
+        driver.wait(timeout=60)
+    assert raylets, "the driver started no raylet: the listing looked at nothing"
+    assert seen == [], f"idle workers started in the driver's environment: {seen}"
