@@ -130,6 +130,14 @@ class VllmGenerator(Generator):
     ) -> None:
         for key, value in _ENGINE_ENV.items():
             os.environ.setdefault(key, value)
+        if _on_cpu() and config.enforce_eager:
+            # An eager engine still torch.compiles helpers on first use: the token ranks that
+            # come with requested logprobs, on every rollout. Their first call took 1.9 s (11 s
+            # with a cold inductor cache, as on a fresh machine); eager they take microseconds.
+            # On GPU, compiling is vLLM's business (enforce_eager=false compiles the model).
+            import torch._dynamo
+
+            torch._dynamo.config.disable = True
         from vllm import LLM
 
         super().__init__()
