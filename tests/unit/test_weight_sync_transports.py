@@ -173,6 +173,40 @@ def test_wrong_stream_fails_both_sides_without_leftovers() -> None:
     assert _leftover_shm() == []
 
 
+KILLED_SENDER = """
+import os, signal
+from tandem.config.models import RefitConfig
+from tandem.weight_sync import make_sender, metadata_of
+import torch
+sender = make_sender(RefitConfig(transport="colocated"), "cpu", timeout_s=4.0)
+sender.prepare(metadata_of([("w", torch.zeros(64, 64))]))  # the file exists until attached
+print(sender._prepared[0]._path, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no finalizer runs: the file stays
+"""
+
+
+def test_the_next_sender_removes_the_file_of_a_killed_one() -> None:
+    """A trainer killed before its generators attached (a generator died first) leaves its
+    refit file in /dev/shm; the next sender on the host removes it, not a live sender's."""
+    import subprocess
+    import sys
+
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_SENDER], capture_output=True, text=True, timeout=120
+    )
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    orphan = killed.stdout.strip()
+    assert os.path.exists(orphan)
+    live = _sender("colocated")
+    live.prepare(metadata_of(random_state_dict(1).items()))
+    (ours,) = _leftover_shm()
+    assert not os.path.exists(orphan)  # created when the live sender was
+    _sender("colocated")  # another sender in a live process leaves ours alone
+    assert _leftover_shm() == [ours]
+    live._prepared[0].close()
+    assert _leftover_shm() == []
+
+
 def test_consumer_stopping_early_fails_the_sender_fast() -> None:
     sender = _sender("colocated")
     state = random_state_dict(0)

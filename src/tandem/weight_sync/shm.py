@@ -1,16 +1,21 @@
 """Colocated refit on the CPU: both bucket slots are one file in /dev/shm, mapped by the sender
 and every receiver (``torch.from_file``). The sender unlinks the file once every receiver has
-mapped it, so nothing is left behind if a process dies; the memory goes with the last mapping.
+mapped it, so nothing is left behind if a process dies after that; the memory goes with the last
+mapping. A sender killed before its receivers attached (a generator died first, then Ray killed
+the trainer) leaves its file: the next sender on the host removes the files of senders that no
+longer run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
 import tempfile
 import uuid
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +34,30 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
+PREFIX = "tandem-refit-"
+
+
+def remove_orphans(folder: str) -> list[str]:
+    """Remove the refit files in ``folder`` whose sender process is gone; returns their paths."""
+    removed = []
+    for path in glob.glob(os.path.join(folder, f"{PREFIX}*-*")):
+        pid = os.path.basename(path)[len(PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            _unlink(path)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def _map(path: str, plan_bytes: int) -> torch.Tensor:
     return torch.from_file(path, True, plan_bytes, dtype=torch.uint8)
 
@@ -37,6 +66,10 @@ class ShmSender(RefitSender):
     """Shares two bucket slots with the receivers of the same host through shared memory."""
 
     transport = "colocated"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        remove_orphans(_shm_dir())
 
     def _open(self, spec: RefitSpec, live: list[torch.Tensor]) -> SenderRefit:
         return _ShmRefit(spec, self._store)
@@ -47,7 +80,7 @@ class _ShmRefit(ColocatedRefit):
         # Both slots in one file, each as large as the largest bucket: a tiny model does not
         # pin 2 x bucket_bytes.
         size, num_slots = slot_layout(spec.plan)
-        path = os.path.join(_shm_dir(), f"tandem-refit-{os.getpid()}-{uuid.uuid4().hex}")
+        path = os.path.join(_shm_dir(), f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         os.ftruncate(fd, size * num_slots)
         os.close(fd)
