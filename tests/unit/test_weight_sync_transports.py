@@ -187,7 +187,8 @@ os.kill(os.getpid(), signal.SIGKILL)  # no finalizer runs: the file stays
 
 def test_the_next_sender_removes_the_file_of_a_killed_one() -> None:
     """A trainer killed before its generators attached (a generator died first) leaves its
-    refit file in /dev/shm; the next sender on the host removes it, not a live sender's."""
+    refit file in /dev/shm; a later sender on the host removes it once it is older than the
+    refit timeout, and never a live sender's."""
     import subprocess
     import sys
 
@@ -196,11 +197,14 @@ def test_the_next_sender_removes_the_file_of_a_killed_one() -> None:
     )
     assert killed.returncode == -9, killed.stderr[-2000:]
     orphan = killed.stdout.strip()
-    assert os.path.exists(orphan)
+    _sender("colocated")
+    assert os.path.exists(orphan)  # younger than a refit's timeout: its receivers may still come
+    an_hour_ago = time.time() - 3600
+    os.utime(orphan, (an_hour_ago, an_hour_ago))
     live = _sender("colocated")
     live.prepare(metadata_of(random_state_dict(1).items()))
     (ours,) = _leftover_shm()
-    assert not os.path.exists(orphan)  # created when the live sender was
+    assert not os.path.exists(orphan)  # removed when the live sender was created
     _sender("colocated")  # another sender in a live process leaves ours alone
     assert _leftover_shm() == [ours]
     live._prepared[0].close()

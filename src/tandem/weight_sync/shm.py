@@ -2,8 +2,8 @@
 and every receiver (``torch.from_file``). The sender unlinks the file once every receiver has
 mapped it, so nothing is left behind if a process dies after that; the memory goes with the last
 mapping. A sender killed before its receivers attached (a generator died first, then Ray killed
-the trainer) leaves its file: the next sender on the host removes the files of senders that no
-longer run.
+the trainer) leaves its file: a later sender on the host removes the files of senders that no
+longer run, once they are older than its refit timeout.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import dataclasses
 import glob
 import os
 import tempfile
+import time
 import uuid
 import weakref
 from typing import Any
@@ -37,14 +38,20 @@ def _unlink(path: str) -> None:
 PREFIX = "tandem-refit-"
 
 
-def remove_orphans(folder: str) -> list[str]:
-    """Remove the refit files in ``folder`` whose sender process is gone; returns their paths."""
+def remove_orphans(folder: str, older_than_s: float) -> list[str]:
+    """Remove the refit files in ``folder`` whose sender process is gone and that are older
+    than ``older_than_s`` (a refit's timeout: no receiver waits for them any more; a sender in
+    another PID namespace sharing /dev/shm looks gone, but its file is younger while it lives).
+    Returns the paths removed."""
     removed = []
     for path in glob.glob(os.path.join(folder, f"{PREFIX}*-*")):
         pid = os.path.basename(path)[len(PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            _unlink(path)
-            removed.append(path)
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile, or another user's
+            if time.time() - os.stat(path).st_mtime > older_than_s:
+                os.unlink(path)
+                removed.append(path)
     return removed
 
 
@@ -69,7 +76,7 @@ class ShmSender(RefitSender):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        remove_orphans(_shm_dir())
+        remove_orphans(_shm_dir(), older_than_s=self.timeout_s)
 
     def _open(self, spec: RefitSpec, live: list[torch.Tensor]) -> SenderRefit:
         return _ShmRefit(spec, self._store)
