@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import glob
 import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -189,9 +191,6 @@ def test_the_next_sender_removes_the_file_of_a_killed_one() -> None:
     """A trainer killed before its generators attached (a generator died first) leaves its
     refit file in /dev/shm; a later sender on the host removes it once it is older than the
     refit timeout, and never a live sender's."""
-    import subprocess
-    import sys
-
     killed = subprocess.run(
         [sys.executable, "-c", KILLED_SENDER], capture_output=True, text=True, timeout=120
     )
