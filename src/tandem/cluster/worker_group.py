@@ -25,7 +25,6 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
+from tandem import rendezvous
 from tandem.cluster.envs import build_on_all_nodes, runtime_env_for
 from tandem.cluster.envs import env_mode as resolve_env_mode
 from tandem.cluster.groups import WorkerError
@@ -50,10 +50,7 @@ class _WorkerHost:
 
     def address(self) -> tuple[str, int]:
         """(node id, a free TCP port on this node) for the rendezvous."""
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ray.get_runtime_context().get_node_id(), port
+        return ray.get_runtime_context().get_node_id(), rendezvous.free_port()
 
     def start(
         self, cls: type, args: tuple, kwargs: dict[str, Any], env: dict[str, str], node_ip: str

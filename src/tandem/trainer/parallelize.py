@@ -4,7 +4,6 @@ at the root, optional activation checkpointing. Model code never sees torch.dist
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -31,12 +30,6 @@ def uses_fsdp(config: PolicyConfig, world_size: int) -> bool:
     return world_size > 1 or config.mixed_precision or config.cpu_offload
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def init_distributed(rank: int, world_size: int, device: torch.device) -> None:
     """Join the trainers' default process group from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
     (the worker group sets them); a lone rank picks a free local port itself. NCCL on CUDA,
@@ -55,7 +48,7 @@ def init_distributed(rank: int, world_size: int, device: torch.device) -> None:
                 "MASTER_PORT is not set: start trainers through WorkerGroup, or set "
                 "MASTER_ADDR/MASTER_PORT (and RANK/WORLD_SIZE) in every trainer process"
             )
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(rendezvous.free_port("127.0.0.1"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # rank 0's store listens on MASTER_ADDR only (torch's own would take every interface)
