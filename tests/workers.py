@@ -3,6 +3,7 @@ the standard library at import time, so they load in every actor environment).""
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import sys
@@ -41,6 +42,8 @@ class EchoWorker:
             "pid": os.getpid(),
             "executable": sys.executable,
             "placement_group": context.get_placement_group_id(),
+            "gc_enabled": gc.isenabled(),
+            "gc_frozen": gc.get_freeze_count(),
         }
 
     def add(self, x: int) -> int:

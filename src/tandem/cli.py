@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import tandem
+from tandem.imports import pause_gc, resume_gc
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
 
@@ -152,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], None] = args.func
     from tandem.cluster.groups import WorkerError
 
+    pause_gc()  # a run's start: imports, Ray, the actors (``imports.without_gc``)
     try:
         func(args)
     except WorkerError as err:
@@ -163,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"tandem {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        resume_gc()  # run_loop resumes it for a run; here for every other way out
     return 0
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from tandem.config import DpoConfig, GrpoConfig, SftConfig, save_resolved
 from tandem.config.models import CheckpointConfig, LoggingConfig
 from tandem.files import atomic_dir
+from tandem.imports import resume_gc
 from tandem.logging.metrics import MetricsLogger, read_metrics
 from tandem.logging.plots import plot_run
 
@@ -112,6 +113,7 @@ def run_loop(
     resume: bool,
 ) -> list[dict[str, Any]]:
     """The step loop shared by every algorithm: evaluation, logging, checkpoints, resume."""
+    resume_gc()  # the start is over (``cli.main`` paused the collector for it)
     run_dir = make_run_dir(config.logging, kind, resume)
     save_resolved(config, run_dir)
     checkpoints = Checkpoints(run_dir, config.checkpoint)

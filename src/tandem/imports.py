@@ -1,9 +1,12 @@
-"""Objects a user names in a config: a built-in name or an import path ``package.module:name``."""
+"""Imports: objects a user names in a config (a built-in name or an import path
+``package.module:name``), and heavy imports without the cyclic garbage collector."""
 
 from __future__ import annotations
 
+import gc
 import importlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 
 def import_named(kind: str, spec: str, builtins: Iterable[str], example: str) -> object:
@@ -26,3 +29,47 @@ def import_named(kind: str, spec: str, builtins: Iterable[str], example: str) ->
     if found is None:
         raise ValueError(f"{kind} {spec!r}: module {module_name!r} has no attribute {attr!r}")
     return found
+
+
+_paused = False
+"""Whether ``pause_gc`` turned the collector off (and ``resume_gc`` has not yet)."""
+
+
+def pause_gc() -> None:
+    """Turn the cyclic garbage collector off while a process starts (its heavy imports, Ray,
+    the actors); ``resume_gc`` ends the pause. See ``without_gc`` for why."""
+    global _paused
+    if gc.isenabled():
+        gc.disable()
+        _paused = True
+
+
+def resume_gc() -> None:
+    """End ``pause_gc``: freeze everything alive (collections skip it from now on) and turn the
+    collector back on. Nothing happens unless ``pause_gc`` turned it off."""
+    global _paused
+    if _paused:
+        gc.freeze()
+        gc.enable()
+        _paused = False
+
+
+@contextmanager
+def without_gc() -> Iterator[None]:
+    """Run heavy imports with the cyclic collector off, then freeze what they allocated.
+
+    Importing torch, transformers and vLLM allocates about 700,000 objects that live as long as
+    the process. With the collector on, its full passes walk that growing heap again and again
+    (1.3-1.5 s of vLLM's 6.5 s import on a 2-core machine), and every later ``gc.collect()``
+    walks it once more (vLLM calls it five times while its engine starts: 1.3 s of 2.3 s).
+    ``gc.freeze()`` moves everything alive at the end into the permanent generation, which
+    collections skip; objects made afterwards are collected as usual. The collector is left as
+    it was found (on, unless the caller had turned it off)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()

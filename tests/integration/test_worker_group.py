@@ -37,6 +37,10 @@ def test_fan_out_gather_and_per_rank(ray_cluster: None, mode: str) -> None:
         assert {i["env"]["NCCL_SOCKET_IFNAME"] for i in infos} == {interface_of("127.0.0.1")}
         assert len({i["env"]["MASTER_PORT"] for i in infos}) == 1
         assert len({i["pid"] for i in infos}) == 2
+        # the actor's start (Ray, the worker's module) ran without the collector, and its heap
+        # is frozen: collections skip it (``imports.without_gc``)
+        assert all(i["gc_enabled"] for i in infos)
+        assert min(i["gc_frozen"] for i in infos) > 50_000
 
         group_id = placement.placement_group.id.hex()
         assert {i["placement_group"] for i in infos + generators.run("info")} == {group_id}

@@ -38,6 +38,7 @@ from tandem.cluster.envs import env_mode as resolve_env_mode
 from tandem.cluster.groups import WorkerError
 from tandem.cluster.placement import ActorSlot
 from tandem.cluster.ray_cluster import LOOPBACK, alive_nodes, bind_to, node_ip
+from tandem.imports import pause_gc, resume_gc
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -46,6 +47,9 @@ class _WorkerHost:
     """The actor itself: sets the process environment, then hosts one worker instance."""
 
     def __init__(self) -> None:
+        # ``start``'s arguments import the worker's module (torch and more) while Ray unpickles
+        # them, before its body runs; the collector is off until then (``imports.without_gc``).
+        pause_gc()
         self.worker: Any = None
 
     def address(self) -> tuple[str, int]:
@@ -55,6 +59,7 @@ class _WorkerHost:
     def start(
         self, cls: type, args: tuple, kwargs: dict[str, Any], env: dict[str, str], node_ip: str
     ) -> None:
+        resume_gc()
         os.environ.update(env)
         bind_to(node_ip)  # gloo, NCCL and vLLM listen on the node's address (loopback on one)
         self.worker = cls(*args, **kwargs)

@@ -1,0 +1,89 @@
+"""The collector is off while a process starts and on, over a frozen start heap, afterwards."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tandem.cli import main
+from tandem.imports import pause_gc, resume_gc, without_gc
+
+
+@pytest.fixture(autouse=True)
+def collector_on() -> Iterator[None]:
+    gc.enable()
+    yield
+    resume_gc()
+    gc.enable()
+
+
+def test_without_gc_freezes_what_it_allocated() -> None:
+    before = gc.get_freeze_count()
+    with without_gc():
+        assert not gc.isenabled()
+        made = [[index] for index in range(1000)]  # containers the collector tracks
+    assert gc.isenabled()
+    assert gc.get_freeze_count() >= before + len(made)
+
+
+def test_without_gc_leaves_a_disabled_collector_disabled() -> None:
+    gc.disable()
+    with without_gc():
+        pass
+    assert not gc.isenabled()
+    resume_gc()  # it did not pause the collector: nothing to resume
+    assert not gc.isenabled()
+
+
+def test_resume_ends_only_a_pause() -> None:
+    pause_gc()
+    assert not gc.isenabled()
+    before = gc.get_freeze_count()
+    made = [[index] for index in range(1000)]
+    resume_gc()
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    assert frozen >= before + len(made)
+    more = [[index] for index in range(1000)]
+    resume_gc()  # a second resume freezes nothing
+    assert gc.get_freeze_count() == frozen
+    assert len(more) == 1000
+
+
+def test_the_cli_starts_a_command_with_the_collector_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[bool] = []
+
+    def run_grpo(config: Any, resume: bool = False) -> list[dict[str, Any]]:
+        seen.append(gc.isenabled())
+        return []
+
+    monkeypatch.setattr("tandem.driver.run_grpo", run_grpo)
+    assert main(["grpo", "algorithm.num_steps=1"]) == 0
+    assert seen == [False]
+    assert gc.isenabled()  # back on however the command ended
+
+
+def test_the_loop_resumes_the_collector(tmp_path: Path) -> None:
+    from tandem.config import GrpoConfig, load_config
+    from tandem.driver import run_loop
+
+    overrides = [f"logging.run_dir={tmp_path}", "logging.tensorboard=false"]
+    overrides += [
+        "logging.progress=false",
+        "checkpoint.enabled=false",
+        "checkpoint.export_hf=false",
+    ]
+    config = load_config(GrpoConfig, None, overrides)
+    seen: list[bool] = []
+
+    def step(step: int) -> dict[str, float]:
+        seen.append(gc.isenabled())
+        return {"loss": 0.0}
+
+    pause_gc()
+    run_loop(config, "grpo", None, 2, 0, step, dict, resume=False)
+    assert seen == [True, True]
