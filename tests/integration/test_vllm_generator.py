@@ -133,6 +133,28 @@ def test_sampling_with_logprobs_compiles_nothing_on_cpu(vllm_generator, hf_gener
     assert dict(counters["frames"]) == before, "torch.compile ran inside the engine"
 
 
+def test_texts_are_decoded_once_a_generation(vllm_generator, hf_generator) -> None:
+    """Without stop strings the engine does not detokenize (it decoded every sampled token,
+    twice with logprobs: 9% of a generation of the main job's shape); the texts are decoded
+    once at the end, as the transformers generator decodes them. Stop strings need the
+    engine's incremental text: it stops on them and cuts the text before them."""
+    assert vllm_generator._vllm_params(SamplingParams(max_tokens=4), 0).detokenize is False
+    stopping = SamplingParams(temperature=1.0, max_tokens=8, n=4, stop=("1",))
+    assert vllm_generator._vllm_params(stopping, 0).detokenize is True
+
+    ids = _ids(hf_generator, PROMPTS)
+    rollouts = vllm_generator.generate(ids, SamplingParams(temperature=1.0, max_tokens=8, n=4))
+    decode = vllm_generator.llm.get_tokenizer().decode
+    for r in rollouts:
+        assert r.response_text == decode(r.response_token_ids, skip_special_tokens=True)
+    assert any(r.response_text for r in rollouts)
+
+    stopped = vllm_generator.generate(ids, stopping)
+    assert all("1" not in r.response_text for r in stopped)
+    cut = [r for r in stopped if r.finish_reason == "stop" and "1" in decode(r.response_token_ids)]
+    assert cut, "no sample stopped on '1' (pick another stop string)"
+
+
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
