@@ -1,9 +1,11 @@
 """tandem against TRL's GRPOTrainer on this CPU machine, same work, runs alternating.
 
-Two workloads (``--workloads``):
+Workloads (``--workloads``, default short and long):
 
 - ``short``: the embedded 0.8M-parameter model on the arithmetic task, 8 prompts x 8, <= 8 tokens,
   exact-match reward, 12 steps; also the whole process, start to exit, of both;
+- ``main``: the main job's step (``tandem grpo`` with no arguments): the same model and task, 32
+  prompts x 8, <= 6 tokens, 12 steps;
 - ``long``: a random ~21M-parameter Qwen2 (hidden 512, 6 layers, the embedded tokenizer), 8
   prompts x 8, <= 128 tokens (a random model rarely stops early), the dense digit reward, 5 steps.
 
@@ -13,7 +15,7 @@ bench builds with uv (TRL 1.16 beside the same torch and transformers as tandem'
 not a tandem dependency). A run's figure is the median of its steps after the first; one JSON
 line per run, then per workload the medians over rounds, their spread and the ratio.
 
-    ./run.sh python bench/e2e_cpu.py [--workloads short long] [--rounds 3]
+    ./run.sh python bench/e2e_cpu.py [--workloads short main long] [--rounds 3] [--backend hf]
 """
 
 from __future__ import annotations
@@ -38,13 +40,23 @@ TRL_VERSION = "1.16.0"
 
 WORKLOADS = {
     "short": {
+        "prompts": 8,
         "steps": 12,
         "max_tokens": 8,
         "reward": "exact_match",
         "lr": 1e-4,
         "model": None,
     },
+    "main": {
+        "prompts": 32,
+        "steps": 12,
+        "max_tokens": 6,
+        "reward": "exact_match",
+        "lr": 1e-4,
+        "model": None,
+    },
     "long": {
+        "prompts": 8,
         "steps": 5,
         "max_tokens": 128,
         "reward": "digit_fraction",
@@ -58,7 +70,7 @@ WORKLOADS = {
         ),
     },
 }
-PROMPTS, GENERATIONS = 8, 8
+GENERATIONS = 8
 
 
 def trl_python(root: Path) -> Path:
@@ -84,13 +96,13 @@ def model_path(name: str, root: Path) -> Path:
     return DEFAULT_MODEL_DIR if shape is None else write_random_qwen2(root / name, shape)
 
 
-def prompts_file(model: Path, steps: int, root: Path) -> Path:
+def prompts_file(model: Path, prompts: int, steps: int, root: Path) -> Path:
     from tandem.config import DataConfig
     from tandem.data.prompts import make_prompt_source
 
     source = make_prompt_source(DataConfig(), model, lambda *_: 0.0, seed=0)
     path = root / "prompts.jsonl"
-    rows = source.train_prompts(0, PROMPTS * steps)
+    rows = source.train_prompts(0, prompts * steps)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
@@ -106,7 +118,7 @@ def run_tandem(name: str, model: Path, root: Path, index: int, backend: str) -> 
         f"generation.backend={backend}",
         f"policy.optimizer.lr={work['lr']}",
         f"algorithm.num_steps={work['steps']}",
-        f"algorithm.prompts_per_step={PROMPTS}",
+        f"algorithm.prompts_per_step={work['prompts']}",
         f"algorithm.num_generations={GENERATIONS}",
         "algorithm.eval_every=0",
         f"generation.sampling.max_tokens={work['max_tokens']}",
@@ -142,7 +154,7 @@ def run_trl(name: str, model: Path, prompts: Path, python: Path, index: int) -> 
         f"--prompts={prompts}",
         f"--reward={work['reward']}",
         f"--steps={work['steps']}",
-        f"--prompts-per-step={PROMPTS}",
+        f"--prompts-per-step={work['prompts']}",
         f"--generations={GENERATIONS}",
         f"--max-tokens={work['max_tokens']}",
         f"--lr={work['lr']}",
@@ -176,7 +188,7 @@ def main() -> None:
     python = trl_python(root)
     for name in args.workloads:
         model = model_path(name, root)
-        prompts = prompts_file(model, WORKLOADS[name]["steps"], root)
+        prompts = prompts_file(model, WORKLOADS[name]["prompts"], WORKLOADS[name]["steps"], root)
         runs: dict[str, list[tuple[float, float]]] = {"tandem": [], "trl": []}
         for index in range(args.rounds):
             runs["tandem"].append(run_tandem(name, model, root, index, args.backend))
