@@ -201,7 +201,9 @@ class VllmGenerator(Generator):
             for rollout in self._rollouts(index, prompt_token_ids[index], output, params.n)
         ]
         if not params.stop:
-            texts = self.llm.get_tokenizer().batch_decode(
+            # a transformers tokenizer (vLLM's protocol for it names decode, not batch_decode)
+            tokenizer: Any = self.llm.get_tokenizer()
+            texts = tokenizer.batch_decode(
                 [rollout.response_token_ids for rollout in rollouts], skip_special_tokens=True
             )
             for rollout, text in zip(rollouts, texts, strict=True):
