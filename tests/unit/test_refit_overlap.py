@@ -66,3 +66,35 @@ def test_a_failed_load_is_raised_by_the_next_collect(runtime) -> None:  # type: 
     rt.refit(version=1, wait_generators=False)
     with pytest.raises(WorkerError, match=r"receive_weights.*reload failed"):
         rt.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+
+
+def test_a_cpu_generator_receives_on_one_thread(runtime) -> None:  # type: ignore[no-untyped-def]
+    """On CPU a refit's receive runs single-threaded (the trainer's spinning OpenMP threads
+    stalled its parallel regions); the generator computes on all its threads again after."""
+    import torch
+
+    rt, worker = runtime
+    threads: list[int] = []
+    receive = worker.generator.receive_weights
+
+    def counted(spec: Any, first_rank: int = 1) -> None:
+        threads.append(torch.get_num_threads())
+        receive(spec, first_rank)
+
+    generate = worker.generator.generate
+
+    def generate_counted(*args: Any) -> Any:
+        threads.append(torch.get_num_threads())
+        return generate(*args)
+
+    worker.generator.receive_weights = counted  # type: ignore[method-assign]
+    worker.generator.generate = generate_counted  # type: ignore[method-assign]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rt.refit(version=1)  # (the generator's calls run on one thread, as in an actor)
+        rollouts = rt.generate([[1, 2, 3]], SamplingParams(max_tokens=3, n=2))
+    finally:
+        torch.set_num_threads(before)
+    assert threads == [1, 2]  # the receive on one, the generation on both again
+    assert [r.policy_version for r in rollouts] == [1, 1]  # the refit landed

