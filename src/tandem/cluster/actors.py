@@ -190,7 +190,8 @@ class GeneratorWorker:
         # slowed its next training step.)
         threads = intra_op_threads(1) if self.device.type == "cpu" else contextlib.nullcontext()
         try:
-            with threads, self.generator.gate.update(version):
+            # threads inside the gate: no decode step runs meanwhile (MKL's count is global)
+            with self.generator.gate.update(version), threads:
                 self.generator.receive_weights(spec, first_rank=self.first_receiver_rank)
         finally:
             self._end_work()
