@@ -1,5 +1,6 @@
-"""Micro-batches without compute on padding (``data.packing``): layouts by hand, and the packed
-and budgeted paths giving the padded path's loss and gradients (fp32, 1e-6) on a real model."""
+"""Micro-batches without compute on padding or repeated prompts (``data.packing``): layouts by
+hand, and the packed, budgeted and shared-prompt paths giving the padded path's loss and gradients
+(fp32, 1e-6) on a real model."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 from test_trainer_support import make_batch, policy, token_nll, write_tiny_qwen2
 
 from tandem.data.batch import TrainBatch
-from tandem.data.packing import pack_sequences, plan_micro_batches, unpack
+from tandem.data.packing import layout_cost, pack_sequences, plan_micro_batches, unpack
 from tandem.trainer import PolicyTrainer
+from tandem.trainer.policy_trainer import shared_prompt_cost
 
 
 def batch_of(lengths: list[int], width: int = 6) -> TrainBatch:
@@ -28,14 +30,75 @@ def test_sequences_pack_longest_first_into_rows_as_long_as_the_longest() -> None
     # rows of 5: [seq1 (5)], [seq2 (3) | seq0 (2)]
     assert packed.input_ids.tolist() == [[11, 12, 13, 14, 15], [21, 22, 23, 1, 2]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1]]
-    values = torch.arange(10.0).view(2, 5)  # token-aligned outputs of the packed rows
-    # each sequence's entries 1..length-1 come back; entry 0 (predicted by the row's previous
-    # sequence, or nothing) and the padding are 0
-    assert unpack(values, packed).tolist() == [
-        [0, 9, 0, 0, 0, 0],
-        [0, 1, 2, 3, 4, 0],
+    assert packed.attention_mask is None  # transformers derives it from the positions
+    # the flat index (row x 5 + column) of the token that predicts token t of each sequence
+    assert packed.sources.tolist() == [
+        [0, 8, 0, 0, 0, 0],
+        [0, 0, 1, 2, 3, 0],
+        [0, 5, 6, 0, 0, 0],
+    ]
+    # one output per valid entry (1 <= t < length), row-major, back in the [b, T] layout
+    assert unpack(torch.tensor([1.0, 2, 3, 4, 5, 6, 7]), packed).tolist() == [
+        [0, 1, 0, 0, 0, 0],
+        [0, 2, 3, 4, 5, 0],
         [0, 6, 7, 0, 0, 0],
     ]
+
+
+def grouped_batch(prompts: list[list[int]], own: list[list[list[int]]]) -> TrainBatch:
+    """Sequences ``prompt + own`` right-padded, the loss on the own tokens."""
+    rows = [(p, o) for p, group in zip(prompts, own, strict=True) for o in group]
+    width = max(len(p) + len(o) for p, o in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    loss = torch.zeros(len(rows), width)
+    for j, (p, o) in enumerate(rows):
+        ids[j, : len(p) + len(o)] = torch.tensor(p + o)
+        loss[j, len(p) : len(p) + len(o)] = 1
+    return TrainBatch(ids, (ids > 0).long(), loss)
+
+
+def test_a_shared_prompt_is_laid_out_once_and_seen_by_each_sequence() -> None:
+    # two sequences of prompt [1, 2, 3], one of prompt [7, 8]
+    batch = grouped_batch([[1, 2, 3], [7, 8]], [[[4, 5], [6]], [[9]]])
+    packed = pack_sequences(batch, share_prompts=True)
+    # segments of 3 + 2 + 1 = 6 and 2 + 1 = 3 tokens, in rows of 6
+    assert packed.input_ids.tolist() == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 0, 0, 0]]
+    assert packed.position_ids[0].tolist() == [0, 1, 2, 3, 4, 3]  # 6 is token 3 of its sequence
+    assert packed.position_ids[1, :3].tolist() == [0, 1, 2]
+    # token 3 of sequence 1 (the 6) is predicted by the prompt's last token (flat 2)
+    assert packed.sources.tolist() == [[0, 0, 1, 2, 3], [0, 0, 1, 2, 0], [0, 6, 7, 0, 0]]
+    assert packed.attention_mask is not None
+    row = packed.attention_mask[0, 0].int().tolist()
+    assert row == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],  # 4: the prompt and itself
+        [1, 1, 1, 1, 1, 0],  # 5: the prompt, 4 and itself
+        [1, 1, 1, 0, 0, 1],  # 6: the prompt and itself, not the other sequence
+    ]
+    padding = packed.attention_mask[1, 0].int().tolist()
+    assert padding[3:] == [[0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1]]
+
+
+def test_prompts_are_shared_where_the_estimate_says_it_is_cheaper() -> None:
+    # 4 sequences of a 6-token prompt and 2 own tokens: padded 4 x (8 + 0.05 x 36) = 39.2,
+    # shared one row of 6 + 4 x 2 = 14 under a dense mask: 14 + 0.05 x 196 = 23.8
+    short = grouped_batch([[1, 2, 3, 4, 5, 6]], [[[7, 8], [8, 7], [9, 9], [7, 7]]])
+    assert layout_cost(4, 8, False, 0.05) == pytest.approx(39.2)
+    assert layout_cost(1, 14, True, 0.05) == pytest.approx(23.8)
+    # a 2-token prompt and 37 own tokens: padded 4 x (39 + 0.05 x 780) = 312, shared
+    # 150 + 0.05 x 150^2 = 1275
+    long = grouped_batch([[1, 2]], [[[3 + k] * 37 for k in range(4)]])
+    for batch, shared in ((short, True), (long, False)):
+        (mb,) = plan_micro_batches(batch, max_sequences=8, attention_cost=0.05)
+        assert (mb.packed is not None) is shared
+    # packed sequences compare with their own dense rows: 4 rows of 8 (4 x 11.2 = 44.8)
+    (mb,) = plan_micro_batches(short, max_sequences=8, pack=True, attention_cost=0.05)
+    assert mb.packed is not None and mb.packed.attention_mask is not None
+    # without an attention cost nothing is shared
+    (mb,) = plan_micro_batches(short, max_sequences=8)
+    assert mb.packed is None
 
 
 def test_budgets_group_by_length_and_trim() -> None:
@@ -103,3 +166,60 @@ def test_packed_and_budgeted_paths_give_the_padded_loss_and_gradients(
         assert torch.allclose(grads_b[name], grad, atol=1e-6, rtol=0), name
     assert torch.allclose(logprobs_b, logprobs_a, atol=1e-6, rtol=0)
     assert (logprobs_a[batch.attention_mask == 0] == 0).all()
+
+
+def shared_batch() -> TrainBatch:
+    """``make_batch``'s rows, 6-token prompts: two groups of three sharing one, one alone."""
+    batch = make_batch(size=7, width=12)
+    batch.input_ids[:, :6] = batch.input_ids[[0, 0, 0, 3, 3, 3, 6], :6]
+    batch.loss_mask[:, :6] = 0
+    return batch
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [{}, {"packing": True}, {"micro_batch_size": 4}],
+    ids=["shared", "shared-packed", "shared-across-micro-batches"],
+)
+def test_shared_prompts_give_the_padded_loss_and_gradients(model_dir: Path, setup: dict) -> None:
+    batch = shared_batch()
+    padded = PolicyTrainer(policy(model_dir, micro_batch_size=7, share_prompts=False))
+    shared = PolicyTrainer(policy(model_dir, **{"micro_batch_size": 7, **setup}))
+    layouts = [mb.packed for mb, _ in shared._micro_batches(batch)]
+    assert all(p is not None and p.attention_mask is not None for p in layouts)
+    assert sum(p.input_ids.numel() for p in layouts if p is not None) < batch.input_ids.numel()
+    loss_a, grads_a, logprobs_a = loss_and_grads(padded, batch)
+    loss_b, grads_b, logprobs_b = loss_and_grads(shared, batch)
+    assert loss_b == pytest.approx(loss_a, abs=1e-6)
+    assert grads_a.keys() == grads_b.keys()
+    for name, grad in grads_a.items():
+        assert torch.allclose(grads_b[name], grad, atol=1e-6, rtol=0), name
+    assert torch.allclose(logprobs_b, logprobs_a, atol=1e-6, rtol=0)
+    assert (logprobs_b[batch.attention_mask == 0] == 0).all()
+
+
+def test_the_attention_cost_of_a_model_and_where_there_is_none(tmp_path: Path) -> None:
+    import transformers
+
+    lm = transformers.AutoModelForCausalLM.from_pretrained(
+        write_tiny_qwen2(tmp_path / "full", tied=True)
+    )
+    # 2 layers x 4 heads x 32 against the layers' weights: 2 x 2 x 128 / weights
+    weights = sum(p.numel() for p in lm.model.layers.parameters()) + lm.model.norm.weight.numel()
+    assert shared_prompt_cost(lm) == pytest.approx(2 * 2 * 128 / weights)
+    config = transformers.Qwen2Config(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=32,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=0,
+    )
+    windowed = transformers.Qwen2ForCausalLM(config)
+    assert "sliding_attention" in windowed.config.layer_types
+    assert shared_prompt_cost(windowed) is None  # a custom mask would drop the windows
+    lm.config._attn_implementation = "flash_attention_2"
+    assert shared_prompt_cost(lm) is None

@@ -88,6 +88,12 @@ class PolicyConfig(Section):
     packing: bool = False
     """Lay a micro-batch's sequences end to end (positions restart, block-diagonal attention),
     so no compute goes to padding; gives the padded path's loss and gradients."""
+    share_prompts: bool = True
+    """Compute a prompt that several sequences of a micro-batch start with (GRPO's groups,
+    DPO's pairs) once: each sequence's own tokens attend to it through an explicit mask. A
+    micro-batch takes this layout where it is estimated cheaper (long completions make the
+    dense mask cost more than the prompt saves) and the model's attention takes such a mask
+    (sdpa or eager, no sliding windows); gives the padded path's loss and gradients."""
     logprob_chunk_size: int = Field(1024, ge=1)
     """Tokens per chunk when computing logprobs, so full-vocabulary fp32 logits are never
     materialised for the whole batch."""

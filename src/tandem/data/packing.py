@@ -1,4 +1,5 @@
-"""Micro-batches without compute on padding: token budgets, trimming and sequence packing.
+"""Micro-batches without compute on padding or repeated prompts: token budgets, trimming,
+sequence packing and shared prompts.
 
 A right-padded ``TrainBatch`` is cut into micro-batches for the trainer's forward passes:
 
@@ -11,10 +12,19 @@ A right-padded ``TrainBatch`` is cut into micro-batches for the trainer's forwar
   The model is then called with those ``position_ids`` and no attention mask: transformers
   builds a block-diagonal causal mask from positions that restart (``find_packed_sequence_
   indices``; varlen kernels with FlashAttention), so no token attends across sequences and only
-  the tail of a row is padding. ``unpack`` maps per-token outputs back to the ``[b, T]`` layout
-  the losses read.
+  the tail of a row is padding;
+- with ``attention_cost`` the sequences of a micro-batch that share a prompt (the tokens before
+  their first trained token: GRPO's groups, DPO's pairs) are laid out as one *segment*: the
+  prompt once, then each sequence's own tokens, at the positions they have in the sequence,
+  attending to the prompt and causally to themselves (an explicit ``[R, 1, C, C]`` mask). The
+  prompt's tokens are computed once instead of once per sequence; the hidden state of its last
+  token predicts every sequence's first own token. A micro-batch takes this layout only when it
+  is estimated cheaper than its own (``layout_cost``): the mask is dense, so long completions
+  make attention cost more than the prompt tokens save.
 
-Any grouping gives the full-batch step: losses are normalised by global token counts.
+``Packed.sources`` maps each token back to the hidden state that predicts it, so the losses read
+``[b, T]`` logprobs as from the padded layout. Any grouping gives the full-batch step: losses are
+normalised by global token counts.
 """
 
 from __future__ import annotations
@@ -28,16 +38,20 @@ from tandem.data.batch import TrainBatch
 
 @dataclass(frozen=True)
 class Packed:
-    """Sequences laid end to end in ``[R, C]`` rows."""
+    """Sequences (or shared-prompt segments) laid end to end in ``[R, C]`` rows."""
 
     input_ids: torch.Tensor
-    """[R, C] token ids; a row's tail is padding (its own segment, positions from 0)."""
+    """[R, C] token ids; a row's tail is padding."""
     position_ids: torch.Tensor
-    """[R, C] positions restarting at 0 for every sequence."""
-    index: torch.Tensor
-    """[b, T] flat index into ``[R * C]`` of token t of sequence j (0 where t >= its length)."""
+    """[R, C] each token's position in its own sequence."""
+    sources: torch.Tensor
+    """[b, T] flat index into ``[R * C]`` of the token whose hidden state predicts token t of
+    sequence j (its token t - 1; 0 where not ``valid``)."""
     valid: torch.Tensor
     """[b, T] bool: 1 <= t < length of sequence j (entry 0 is predicted by nothing)."""
+    attention_mask: torch.Tensor | None = None
+    """[R, 1, C, C] bool (True: attends) when prompts are shared; None: block-diagonal causal
+    from the restarting ``position_ids``."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +75,11 @@ def trimmed(batch: TrainBatch) -> TrainBatch:
 
 
 def plan_micro_batches(
-    batch: TrainBatch, max_sequences: int, max_tokens: int | None = None, pack: bool = False
+    batch: TrainBatch,
+    max_sequences: int,
+    max_tokens: int | None = None,
+    pack: bool = False,
+    attention_cost: float | None = None,
 ) -> list[MicroBatch]:
     """Micro-batches covering every sequence of ``batch`` once (see the module docstring).
 
@@ -69,7 +87,8 @@ def plan_micro_batches(
     Otherwise sequences go longest first into groups of at most ``max_sequences`` whose cost
     stays within ``max_tokens`` (default ``max_sequences`` x the longest sequence): the padded
     size ``count x longest`` unpacked, the real tokens packed. A sequence longer than the
-    budget gets a micro-batch of its own."""
+    budget gets a micro-batch of its own. With ``attention_cost`` (see ``layout_cost``) a
+    micro-batch whose sequences share prompts computes each once where that is cheaper."""
     lengths = sequence_lengths(batch)
     if max_tokens is None and not pack:
         groups = [
@@ -82,8 +101,32 @@ def plan_micro_batches(
     micro = []
     for rows in groups:
         part = trimmed(batch.select(rows))
-        micro.append(MicroBatch(rows, part, pack_sequences(part) if pack else None))
+        layout = pack_sequences(part) if pack else None
+        if attention_cost is not None and _sharing_is_cheaper(part, layout, attention_cost):
+            layout = pack_sequences(part, share_prompts=True)
+        micro.append(MicroBatch(rows, part, layout))
     return micro
+
+
+def _sharing_is_cheaper(part: TrainBatch, layout: Packed | None, attention_cost: float) -> bool:
+    """Whether ``part`` shares a prompt and its shared-prompt layout costs less than
+    ``layout`` (packed) or its padded rows (None)."""
+    segments = prompt_segments(part)
+    if len(segments) == part.num_sequences:
+        return False
+    count, capacity, _ = _place([s.size for s in segments])
+    rows, width = (part if layout is None else layout).input_ids.shape
+    own = layout_cost(rows, width, layout is not None, attention_cost)
+    return layout_cost(count, capacity, True, attention_cost) < own
+
+
+def layout_cost(rows: int, width: int, dense: bool, attention_cost: float) -> float:
+    """Estimated forward cost of ``rows`` x ``width`` tokens, in units of one token through the
+    model's linear layers: each token, plus ``attention_cost`` for each (query, key) pair
+    attention computes: all ``width`` keys of a row under an explicit mask (``dense``), half of
+    them under the causal kernel."""
+    pairs = width * width if dense else width * (width + 1) / 2
+    return rows * (width + attention_cost * pairs)
 
 
 def _budget_groups(
@@ -106,36 +149,105 @@ def _budget_groups(
     return [torch.tensor(sorted(g)) for g in groups]
 
 
-def pack_sequences(batch: TrainBatch) -> Packed:
-    """Lay ``batch``'s sequences end to end in rows as long as its longest (first fit,
-    longest first)."""
+@dataclass(frozen=True)
+class Segment:
+    """Sequences laid out together: a prompt of ``prompt`` tokens that all of them start with,
+    computed once, then each one's own tokens."""
+
+    members: list[int]
+    prompt: int
+    lengths: list[int]
+
+    @property
+    def size(self) -> int:
+        return self.prompt + sum(length - self.prompt for length in self.lengths)
+
+
+def prompt_segments(batch: TrainBatch) -> list[Segment]:
+    """The sequences of ``batch`` grouped by their prompt: the tokens before the first trained
+    one (all of a sequence's tokens when none is trained), in order of first appearance."""
     lengths = sequence_lengths(batch).tolist()
-    capacity = max(max(lengths), 1)
+    trained = batch.loss_mask > 0
+    first = torch.where(trained.any(-1), trained.int().argmax(-1), batch.attention_mask.sum(-1))
+    by_prompt: dict[tuple[int, ...], Segment] = {}
+    for j, (length, start) in enumerate(zip(lengths, first.tolist(), strict=True)):
+        prompt = min(start, length)
+        key = tuple(batch.input_ids[j, :prompt].tolist())
+        segment = by_prompt.setdefault(key, Segment([], prompt, []))
+        segment.members.append(j)
+        segment.lengths.append(length)
+    return list(by_prompt.values())
+
+
+def _place(sizes: list[int]) -> tuple[int, int, list[tuple[int, int]]]:
+    """First fit, largest first, into rows as long as the largest item: the number of rows,
+    their length and each item's (row, start)."""
+    capacity = max(max(sizes), 1)
     free: list[int] = []  # room left in each row
-    place: dict[int, tuple[int, int]] = {}  # sequence -> (row, start)
-    for j in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
-        row = next((r for r, room in enumerate(free) if room >= lengths[j]), len(free))
+    place: list[tuple[int, int]] = [(0, 0)] * len(sizes)
+    for j in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
+        row = next((r for r, room in enumerate(free) if room >= sizes[j]), len(free))
         if row == len(free):
             free.append(capacity)
         place[j] = (row, capacity - free[row])
-        free[row] -= lengths[j]
-    input_ids = torch.zeros((len(free), capacity), dtype=batch.input_ids.dtype)
-    positions = torch.arange(capacity).repeat(len(free), 1)  # the padding tails count from 0
+        free[row] -= sizes[j]
+    return len(free), capacity, place
+
+
+def pack_sequences(batch: TrainBatch, share_prompts: bool = False) -> Packed:
+    """Lay ``batch``'s sequences end to end in rows as long as its longest (first fit,
+    longest first); with ``share_prompts``, its prompt segments (``prompt_segments``) as long
+    as the longest segment, with their attention mask."""
+    lengths = sequence_lengths(batch).tolist()
+    if share_prompts:
+        segments = prompt_segments(batch)
+    else:
+        segments = [Segment([j], length, [length]) for j, length in enumerate(lengths)]
+    count, capacity, place = _place([s.size for s in segments])
+    input_ids = torch.zeros((count, capacity), dtype=batch.input_ids.dtype)
+    positions = torch.arange(capacity).repeat(count, 1)  # the padding tails count from 0
+    # per token of a row, for the mask: its segment (padding: none, -1) and its sequence
+    # (prompt tokens: -1), so that a token sees its segment's prompt and its own sequence
+    segment_of = torch.full((count, capacity), -1)
+    sequence_of = torch.full((count, capacity), -1)
     width = batch.input_ids.shape[1]
-    index = torch.zeros((len(lengths), width), dtype=torch.long)
+    sources = torch.zeros((len(lengths), width), dtype=torch.long)
+    for s, (segment, (row, start)) in enumerate(zip(segments, place, strict=True)):
+        prompt, base = segment.prompt, row * capacity + start
+        j = segment.members[0]
+        input_ids[row, start : start + prompt] = batch.input_ids[j, :prompt]
+        positions[row, start : start + prompt] = torch.arange(prompt)
+        segment_of[row, start : start + segment.size] = s
+        offset = start + prompt
+        for j, length in zip(segment.members, segment.lengths, strict=True):
+            own = length - prompt
+            input_ids[row, offset : offset + own] = batch.input_ids[j, prompt:length]
+            positions[row, offset : offset + own] = torch.arange(prompt, length)
+            sequence_of[row, offset : offset + own] = j
+            # where tokens 0 .. length - 1 of sequence j are: the prompt's, then its own
+            where = torch.cat(
+                [torch.arange(prompt) + base, torch.arange(own) + row * capacity + offset]
+            )
+            sources[j, 1:length] = where[: length - 1]
+            offset += own
+        if not share_prompts:  # the tail restarts too: transformers gives it its own block
+            positions[row, start + segment.size :] = torch.arange(capacity - start - segment.size)
     steps = torch.arange(width)
-    for j, (row, start) in place.items():
-        length = lengths[j]
-        input_ids[row, start : start + length] = batch.input_ids[j, :length]
-        positions[row, start : start + length] = torch.arange(length)
-        positions[row, start + length :] = torch.arange(capacity - start - length)
-        index[j, :length] = row * capacity + start + steps[:length]
     valid = (steps[None] >= 1) & (steps[None] < torch.tensor(lengths)[:, None])
-    return Packed(input_ids, positions, index, valid)
+    mask = None
+    if share_prompts:
+        same = segment_of[:, :, None] == segment_of[:, None, :]
+        seen = (sequence_of[:, None, :] == -1) | (
+            sequence_of[:, :, None] == sequence_of[:, None, :]
+        )
+        causal = torch.ones(capacity, capacity, dtype=torch.bool).tril()
+        padding = (segment_of == -1)[:, :, None] & torch.eye(capacity, dtype=torch.bool)
+        mask = ((same & seen & (segment_of[:, :, None] >= 0) & causal) | padding)[:, None]
+    return Packed(input_ids, positions, sources, valid, mask)
 
 
 def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:
-    """Token-aligned ``[R, C]`` outputs of a packed forward as ``[b, T]`` (0 at entry 0 and
-    beyond each sequence); differentiable."""
-    flat = values.reshape(-1)[packed.index.to(values.device)]
-    return torch.where(packed.valid.to(values.device), flat, 0.0)
+    """``[n]`` per-token outputs of a packed forward, one per ``valid`` entry in row-major
+    order (see ``LogprobModel``'s ``sources``), as ``[b, T]`` (0 elsewhere); differentiable."""
+    out = values.new_zeros(packed.valid.shape)
+    return out.masked_scatter(packed.valid.to(values.device), values)

@@ -56,22 +56,35 @@ class LogprobModel(nn.Module):
         attention_mask: torch.Tensor | None,
         with_entropy: bool = False,
         position_ids: torch.Tensor | None = None,
+        sources: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``attention_mask`` None with ``position_ids`` that restart: packed sequences
-        (``tandem.data.packing``); entries across a boundary are computed and left to the
-        caller to drop. A right-padded ``attention_mask`` only zeroes the padding's outputs:
-        the model runs causal without it (``right_padded``)."""
+        """A right-padded ``attention_mask`` only zeroes the padding's outputs: the model runs
+        causal without it (``right_padded``).
+
+        Packed layouts (``tandem.data.packing``) pass their ``position_ids``, their 4D
+        ``attention_mask`` or None (block-diagonal from positions that restart), and the
+        pairs to score: ``targets[i]`` as predicted by the hidden state at flat position
+        ``sources[i]`` of ``input_ids``; the results are then ``[n]``, one per pair."""
         lm: Any = self.lm  # a Hugging Face PreTrainedModel
         body = lm.get_decoder()
-        body_mask = (
-            None if attention_mask is None or right_padded(attention_mask) else attention_mask
-        )
+        if sources is None:
+            body_mask = (
+                None if attention_mask is None or right_padded(attention_mask) else attention_mask
+            )
+        else:
+            body_mask = attention_mask
         hidden = body(
             input_ids=input_ids, attention_mask=body_mask, position_ids=position_ids
         ).last_hidden_state
+        if sources is None:
+            flat_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+            flat_targets = input_ids[:, 1:].reshape(-1)
+        else:
+            assert targets is not None, "sources come with their targets"
+            flat_hidden = hidden.reshape(-1, hidden.shape[-1])[sources]
+            flat_targets = targets
         head_weight = lm.get_output_embeddings().weight
-        flat_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-        flat_targets = input_ids[:, 1:].reshape(-1)
         picked, entropy = [], []
         for start in range(0, flat_targets.numel(), self.chunk_size):
             h = flat_hidden[start : start + self.chunk_size]
@@ -84,6 +97,9 @@ class LogprobModel(nn.Module):
                 lp, ent = _chunk_logprobs(h, head_weight, t, with_entropy)
             picked.append(lp)
             entropy.append(ent)
+        if sources is not None:
+            empty = hidden.new_zeros(0, dtype=torch.float32)
+            return torch.cat(picked) if picked else empty, torch.cat(entropy) if entropy else empty
         shape = (input_ids.shape[0], input_ids.shape[1] - 1)
         zeros = torch.zeros(input_ids.shape[0], 1, device=hidden.device)
         logprobs = torch.cat([zeros, torch.cat(picked).view(shape)], dim=1)

@@ -42,6 +42,28 @@ def default_device(rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def shared_prompt_cost(lm: Any) -> float | None:
+    """``data.packing.layout_cost``'s attention cost for ``lm``: the forward FLOPs of one
+    attended (query, key) pair (QK and AV over every layer's heads) per FLOP of one token through
+    the layers' weights. None where shared prompts cannot be laid out: the attention must take
+    an explicit 4D mask (sdpa, eager) and see every earlier token on every layer (a custom mask
+    replaces sliding windows)."""
+    config = lm.config
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        if any(kind != "full_attention" for kind in layer_types):
+            return None
+    elif getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return None
+    embedded = sum(p.numel() for p in lm.get_input_embeddings().parameters())
+    weights = sum(p.numel() for p in lm.get_decoder().parameters()) - embedded
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * heads * head_dim / max(weights, 1)
+
+
 def _load_lm(config: PolicyConfig) -> Any:
     """The Hugging Face causal LM of ``config.model_path`` (a ``PreTrainedModel``)."""
     from transformers import AutoModelForCausalLM
@@ -86,6 +108,8 @@ class PolicyTrainer:
         # the exported config keeps the model's own setting; training never uses a KV cache
         self.hf_use_cache = bool(getattr(self.lm.config, "use_cache", True))
         self.lm.config.use_cache = False
+        self.attention_cost = shared_prompt_cost(self.lm) if config.share_prompts else None
+        """``plan_micro_batches``' attention_cost: None computes every sequence's prompt."""
         if not trainable:
             self.lm.requires_grad_(False)
         if config.activation_checkpointing:
@@ -133,7 +157,11 @@ class PolicyTrainer:
         local = [
             (mb, True)
             for mb in plan_micro_batches(
-                batch, config.micro_batch_size, config.max_tokens_per_micro_batch, config.packing
+                batch,
+                config.micro_batch_size,
+                config.max_tokens_per_micro_batch,
+                config.packing,
+                self.attention_cost,
             )
         ]
         # one collective for both: the most micro-batches and (negated) the fewest sequences
@@ -157,11 +185,14 @@ class PolicyTrainer:
                 with_entropy=with_entropy,
             )
         packed = mb.packed
+        valid = packed.valid
         logprobs, entropy = self.model(
             packed.input_ids.to(self.device),
-            None,
+            None if packed.attention_mask is None else packed.attention_mask.to(self.device),
             with_entropy=with_entropy,
             position_ids=packed.position_ids.to(self.device),
+            sources=packed.sources[valid].to(self.device),
+            targets=mb.batch.input_ids[valid].to(self.device),
         )
         return unpack(logprobs, packed), unpack(entropy, packed)
 
