@@ -200,3 +200,24 @@ def test_static_cache_decode_matches_the_dynamic_cache(generator: HfGenerator) -
         assert s.response_logprobs == pytest.approx(d.response_logprobs, abs=1e-5)
         direct = _direct_logprobs(generator, s.prompt_token_ids, s.response_token_ids)
         assert s.response_logprobs == pytest.approx(direct.tolist(), abs=1e-5)
+
+
+def test_a_prompt_is_prefilled_once_for_its_samples(generator: HfGenerator) -> None:
+    """``n`` samples of a prompt (and a prompt given twice) share one prefill row; the decode
+    steps run every row. The tokens and logprobs stay the model's own (the test above checks
+    them against a forward; the static cache, which prefills every row, against this path)."""
+    ids = _prompt_ids(generator)
+    rows: list[int] = []
+    hook = generator.model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: rows.append(kwargs["input_ids"].shape[0]),
+        with_kwargs=True,
+    )
+    try:
+        rollouts = generator.generate([*ids, ids[0]], SamplingParams(max_tokens=3, n=4, seed=3))
+    finally:
+        hook.remove()
+    assert rows[0] == 3  # three distinct prompts
+    assert set(rows[1:]) == {16} and len(rows) >= 2
+    for r in rollouts:
+        expected = _direct_logprobs(generator, r.prompt_token_ids, r.response_token_ids)
+        assert torch.allclose(torch.tensor(r.response_logprobs), expected, atol=1e-5)

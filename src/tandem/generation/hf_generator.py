@@ -250,16 +250,23 @@ class HfGenerator(Generator):
     ) -> tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
         """Prefill, then one model call per token over transformers' growing (dynamic) cache:
         the first token's logits and the function that feeds step ``step``'s token and returns
-        the next logits."""
-        width = input_ids.shape[1]
+        the next logits. Rows that repeat a prompt (``n`` samples of it) are prefilled once and
+        the cache and logits copied to each."""
+        size, width = input_ids.shape
         attention_mask = valid.long()
+        # the same tokens at the same real positions: the same prefill
+        keyed = torch.where(valid[:, :width], input_ids, -1)
+        unique, inverse = torch.unique(keyed, dim=0, return_inverse=True)
+        first = torch.full((len(unique),), size, device=self.device)
+        first.scatter_reduce_(0, inverse, torch.arange(size, device=self.device), "amin")
         out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask[:, :width],
-            position_ids=position_ids,
+            input_ids=input_ids[first],
+            attention_mask=attention_mask[first, :width],
+            position_ids=position_ids[first],
             use_cache=True,
             logits_to_keep=1,
         )
+        out.past_key_values.batch_select_indices(inverse)
         state = {"cache": out.past_key_values, "position": position_ids[:, -1:]}
 
         def advance(token: torch.Tensor, step: int) -> torch.Tensor:
@@ -275,7 +282,7 @@ class HfGenerator(Generator):
             state["cache"] = out.past_key_values
             return out.logits[:, -1, :]
 
-        return out.logits[:, -1, :], advance
+        return out.logits[inverse, -1, :], advance
 
     def _static_decoder(
         self, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor, steps: int
