@@ -11,7 +11,13 @@ import torch
 from test_trainer_support import make_batch, policy, token_nll, write_tiny_qwen2
 
 from tandem.data.batch import TrainBatch
-from tandem.data.packing import layout_cost, pack_sequences, plan_micro_batches, unpack
+from tandem.data.packing import (
+    layout_cost,
+    pack_sequences,
+    plan_micro_batches,
+    prompt_segments,
+    unpack,
+)
 from tandem.trainer import PolicyTrainer
 from tandem.trainer.policy_trainer import shared_prompt_cost
 
@@ -60,7 +66,7 @@ def grouped_batch(prompts: list[list[int]], own: list[list[list[int]]]) -> Train
 def test_a_shared_prompt_is_laid_out_once_and_seen_by_each_sequence() -> None:
     # two sequences of prompt [1, 2, 3], one of prompt [7, 8]
     batch = grouped_batch([[1, 2, 3], [7, 8]], [[[4, 5], [6]], [[9]]])
-    packed = pack_sequences(batch, share_prompts=True)
+    packed = pack_sequences(batch, prompt_segments(batch))
     # segments of 3 + 2 + 1 = 6 and 2 + 1 = 3 tokens, in rows of 6
     assert packed.input_ids.tolist() == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 0, 0, 0]]
     assert packed.position_ids[0].tolist() == [0, 1, 2, 3, 4, 3]  # 6 is token 3 of its sequence

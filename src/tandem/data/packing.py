@@ -102,16 +102,19 @@ def plan_micro_batches(
     for rows in groups:
         part = trimmed(batch.select(rows))
         layout = pack_sequences(part) if pack else None
-        if attention_cost is not None and _sharing_is_cheaper(part, layout, attention_cost):
-            layout = pack_sequences(part, share_prompts=True)
+        if attention_cost is not None:
+            segments = prompt_segments(part)
+            if _sharing_is_cheaper(part, layout, segments, attention_cost):
+                layout = pack_sequences(part, segments)
         micro.append(MicroBatch(rows, part, layout))
     return micro
 
 
-def _sharing_is_cheaper(part: TrainBatch, layout: Packed | None, attention_cost: float) -> bool:
-    """Whether ``part`` shares a prompt and its shared-prompt layout costs less than
-    ``layout`` (packed) or its padded rows (None)."""
-    segments = prompt_segments(part)
+def _sharing_is_cheaper(
+    part: TrainBatch, layout: Packed | None, segments: list[Segment], attention_cost: float
+) -> bool:
+    """Whether ``segments`` share a prompt and laying them out costs less than ``layout``
+    (packed) or ``part``'s padded rows (None)."""
     if len(segments) == part.num_sequences:
         return False
     count, capacity, _ = _place([s.size for s in segments])
@@ -169,11 +172,11 @@ def prompt_segments(batch: TrainBatch) -> list[Segment]:
     lengths = sequence_lengths(batch).tolist()
     trained = batch.loss_mask > 0
     first = torch.where(trained.any(-1), trained.int().argmax(-1), batch.attention_mask.sum(-1))
+    ids = batch.input_ids.tolist()
     by_prompt: dict[tuple[int, ...], Segment] = {}
     for j, (length, start) in enumerate(zip(lengths, first.tolist(), strict=True)):
         prompt = min(start, length)
-        key = tuple(batch.input_ids[j, :prompt].tolist())
-        segment = by_prompt.setdefault(key, Segment([], prompt, []))
+        segment = by_prompt.setdefault(tuple(ids[j][:prompt]), Segment([], prompt, []))
         segment.members.append(j)
         segment.lengths.append(length)
     return list(by_prompt.values())
@@ -194,56 +197,66 @@ def _place(sizes: list[int]) -> tuple[int, int, list[tuple[int, int]]]:
     return len(free), capacity, place
 
 
-def pack_sequences(batch: TrainBatch, share_prompts: bool = False) -> Packed:
+def pack_sequences(batch: TrainBatch, segments: list[Segment] | None = None) -> Packed:
     """Lay ``batch``'s sequences end to end in rows as long as its longest (first fit,
-    longest first); with ``share_prompts``, its prompt segments (``prompt_segments``) as long
-    as the longest segment, with their attention mask."""
+    longest first); with ``segments`` (``prompt_segments``), those, in rows as long as the
+    longest segment, with their attention mask."""
     lengths = sequence_lengths(batch).tolist()
-    if share_prompts:
-        segments = prompt_segments(batch)
-    else:
+    shared = segments is not None
+    if segments is None:
         segments = [Segment([j], length, [length]) for j, length in enumerate(lengths)]
     count, capacity, place = _place([s.size for s in segments])
-    input_ids = torch.zeros((count, capacity), dtype=batch.input_ids.dtype)
-    positions = torch.arange(capacity).repeat(count, 1)  # the padding tails count from 0
-    # per token of a row, for the mask: its segment (padding: none, -1) and its sequence
-    # (prompt tokens: -1), so that a token sees its segment's prompt and its own sequence
-    segment_of = torch.full((count, capacity), -1)
-    sequence_of = torch.full((count, capacity), -1)
-    width = batch.input_ids.shape[1]
-    sources = torch.zeros((len(lengths), width), dtype=torch.long)
+    # per sequence: its row, its segment, where the segment's prompt starts and how long it is,
+    # and where the sequence's own tokens start; per row, how much of it is used
+    size, width = batch.input_ids.shape
+    row_of, segment_of, prompt_at, prompt_len, own_at = ([0] * size for _ in range(5))
+    used = [0] * count
     for s, (segment, (row, start)) in enumerate(zip(segments, place, strict=True)):
-        prompt, base = segment.prompt, row * capacity + start
-        j = segment.members[0]
-        input_ids[row, start : start + prompt] = batch.input_ids[j, :prompt]
-        positions[row, start : start + prompt] = torch.arange(prompt)
-        segment_of[row, start : start + segment.size] = s
-        offset = start + prompt
+        offset = start + segment.prompt
         for j, length in zip(segment.members, segment.lengths, strict=True):
-            own = length - prompt
-            input_ids[row, offset : offset + own] = batch.input_ids[j, prompt:length]
-            positions[row, offset : offset + own] = torch.arange(prompt, length)
-            sequence_of[row, offset : offset + own] = j
-            # where tokens 0 .. length - 1 of sequence j are: the prompt's, then its own
-            where = torch.cat(
-                [torch.arange(prompt) + base, torch.arange(own) + row * capacity + offset]
-            )
-            sources[j, 1:length] = where[: length - 1]
-            offset += own
-        if not share_prompts:  # the tail restarts too: transformers gives it its own block
-            positions[row, start + segment.size :] = torch.arange(capacity - start - segment.size)
-    steps = torch.arange(width)
-    valid = (steps[None] >= 1) & (steps[None] < torch.tensor(lengths)[:, None])
+            row_of[j], segment_of[j], prompt_at[j] = row, s, start
+            prompt_len[j], own_at[j] = segment.prompt, offset
+            offset += length - segment.prompt
+        used[row] = max(used[row], offset)
+    t = torch.arange(width)[None]
+    prompt = torch.tensor(prompt_len)[:, None]
+    column = torch.where(
+        t < prompt, torch.tensor(prompt_at)[:, None] + t, torch.tensor(own_at)[:, None] + t - prompt
+    )
+    flat = torch.tensor(row_of)[:, None] * capacity + column  # [b, T]: where token t is
+    real = t < torch.tensor(lengths)[:, None]
+    where = flat[real]  # a shared prompt's tokens are written once per sequence, all the same
+    input_ids = torch.zeros(count * capacity, dtype=batch.input_ids.dtype)
+    input_ids[where] = batch.input_ids[real]
+    # a row's padding tail counts from 0: transformers gives it its own block
+    columns, ends = torch.arange(capacity)[None], torch.tensor(used)[:, None]
+    positions = torch.where(columns >= ends, columns - ends, columns).reshape(-1)
+    positions[where] = t.expand(size, width)[real]
+    valid = real & (t >= 1)
+    sources = torch.zeros((size, width), dtype=torch.long)
+    sources[:, 1:] = flat[:, :-1]
+    sources = torch.where(valid, sources, 0)
     mask = None
-    if share_prompts:
-        same = segment_of[:, :, None] == segment_of[:, None, :]
-        seen = (sequence_of[:, None, :] == -1) | (
-            sequence_of[:, :, None] == sequence_of[:, None, :]
-        )
+    if shared:
+        # a token sees earlier tokens of its segment's prompt and of its own sequence
+        segment = torch.full((count * capacity,), -1)
+        segment[where] = torch.tensor(segment_of)[:, None].expand(size, width)[real]
+        own = real & (t >= prompt)
+        sequence = torch.full((count * capacity,), -1)
+        sequence[flat[own]] = torch.arange(size)[:, None].expand(size, width)[own]
+        segment, sequence = segment.view(count, capacity), sequence.view(count, capacity)
+        same = segment[:, :, None] == segment[:, None, :]
+        seen = (sequence[:, None, :] == -1) | (sequence[:, :, None] == sequence[:, None, :])
         causal = torch.ones(capacity, capacity, dtype=torch.bool).tril()
-        padding = (segment_of == -1)[:, :, None] & torch.eye(capacity, dtype=torch.bool)
-        mask = ((same & seen & (segment_of[:, :, None] >= 0) & causal) | padding)[:, None]
-    return Packed(input_ids, positions, sources, valid, mask)
+        padding = (segment == -1)[:, :, None] & torch.eye(capacity, dtype=torch.bool)
+        mask = ((same & seen & (segment[:, :, None] >= 0) & causal) | padding)[:, None]
+    return Packed(
+        input_ids.view(count, capacity),
+        positions.view(count, capacity),
+        sources,
+        valid,
+        mask,
+    )
 
 
 def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:
