@@ -239,17 +239,17 @@ def pack_sequences(batch: TrainBatch, segments: list[Segment] | None = None) -> 
     mask = None
     if shared:
         # a token sees earlier tokens of its segment's prompt and of its own sequence
-        segment = torch.full((count * capacity,), -1)
-        segment[where] = torch.tensor(segment_of)[:, None].expand(size, width)[real]
+        seg = torch.full((count * capacity,), -1)
+        seg[where] = torch.tensor(segment_of)[:, None].expand(size, width)[real]
         own = real & (t >= prompt)
         sequence = torch.full((count * capacity,), -1)
         sequence[flat[own]] = torch.arange(size)[:, None].expand(size, width)[own]
-        segment, sequence = segment.view(count, capacity), sequence.view(count, capacity)
-        same = segment[:, :, None] == segment[:, None, :]
+        seg, sequence = seg.view(count, capacity), sequence.view(count, capacity)
+        same = seg[:, :, None] == seg[:, None, :]
         seen = (sequence[:, None, :] == -1) | (sequence[:, :, None] == sequence[:, None, :])
         causal = torch.ones(capacity, capacity, dtype=torch.bool).tril()
-        padding = (segment == -1)[:, :, None] & torch.eye(capacity, dtype=torch.bool)
-        mask = ((same & seen & (segment[:, :, None] >= 0) & causal) | padding)[:, None]
+        padding = (seg == -1)[:, :, None] & torch.eye(capacity, dtype=torch.bool)
+        mask = ((same & seen & (seg[:, :, None] >= 0) & causal) | padding)[:, None]
     return Packed(
         input_ids.view(count, capacity),
         positions.view(count, capacity),
