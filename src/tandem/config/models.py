@@ -274,7 +274,8 @@ class DataConfig(Section):
     """Held-out prompts per evaluation."""
     num_reward_workers: int = Field(2, ge=0)
     """Processes that score rewards (each sample in one of them, so a hanging reward can be
-    cut off); 0 scores in the driver itself, without a timeout."""
+    cut off); 0 scores in the driver itself, without a timeout. exact_match, which cannot
+    hang, is always scored in the driver."""
     reward_timeout_s: float = Field(60.0, gt=0)
     """Longest time one sample's reward may take (with num_reward_workers >= 1)."""
     invalid_reward: Literal["error", "zero"] = "error"

@@ -11,6 +11,9 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "math_verify": math_verify_reward,
 }
+BOUNDED_REWARDS = frozenset({"exact_match"})
+"""Built-in rewards whose time per sample is bounded (one linear regex search): they cannot
+hang, so they need no worker to be cut off in, and are scored in the caller's process."""
 
 
 def _import_reward(spec: str) -> RewardFn:

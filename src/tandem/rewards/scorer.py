@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tandem.rewards.base import RewardError, RewardFn, clip_text
-from tandem.rewards.registry import resolve_reward
+from tandem.rewards.registry import BOUNDED_REWARDS, resolve_reward
 
 Sample = tuple[str, str, str]
 """(prompt, response, answer) of one rollout."""
@@ -72,6 +72,9 @@ class RewardScorer:
 
     ``num_workers >= 1`` scores in that many spawned processes, each sample cut off after
     ``timeout_s``; 0 scores in this process (``fn`` may then be any callable, e.g. in tests).
+    The built-in rewards that cannot hang (``BOUNDED_REWARDS``) are always scored in this
+    process: a worker's round trip costs more than they do (64 exact-match samples: 4 ms
+    through two workers, 0.1 ms here), and no pool is started for them.
     """
 
     def __init__(
@@ -84,7 +87,7 @@ class RewardScorer:
     ):
         self.spec, self.num_workers, self.timeout_s, self.invalid = (
             spec,
-            num_workers,
+            0 if spec in BOUNDED_REWARDS else num_workers,
             timeout_s,
             invalid,
         )
