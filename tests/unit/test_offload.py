@@ -35,6 +35,7 @@ def test_move_keeps_every_tensor_object(model_dir: Path) -> None:
     buffers = (rotary.inv_freq, rotary.original_inv_freq)
     state = optimizer.state[weight]
     moments = (state["exp_avg"], state["exp_avg_sq"])
+    step = state["step"]
     params = list(optimizer.param_groups[0]["params"])
 
     move_state(trainer.model, optimizer, torch.device("meta"))
@@ -46,7 +47,8 @@ def test_move_keeps_every_tensor_object(model_dir: Path) -> None:
     assert all(b.is_meta for b in buffers)
     assert optimizer.state[weight]["exp_avg"] is moments[0] and moments[0].is_meta
     assert optimizer.state[weight]["exp_avg_sq"] is moments[1] and moments[1].is_meta
-    assert not state["step"].is_meta  # AdamW keeps its step counter on the host
+    assert optimizer.param_groups[0]["fused"]  # its step counter lives beside the parameter
+    assert state["step"] is step and step.is_meta  # so it moves with it
     assert all(a is b for a, b in zip(params, trainer.model.parameters(), strict=True))
     assert all(p.is_meta for p in trainer.model.parameters())
 
