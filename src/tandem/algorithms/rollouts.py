@@ -37,21 +37,20 @@ def rollouts_to_batch(rollouts: Sequence[Rollout], pad_token_id: int) -> TrainBa
     """Right-padded prompt+response batch; the loss covers the response tokens only (the
     generated ones of a multi-turn episode: ``Rollout.response_mask``)."""
     lengths = [len(r.prompt_token_ids) + len(r.response_token_ids) for r in rollouts]
-    size, width = len(rollouts), max(lengths)
-    input_ids = torch.full((size, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((size, width), dtype=torch.long)
-    loss_mask = torch.zeros((size, width), dtype=torch.float32)
-    generator_logprobs = torch.zeros((size, width), dtype=torch.float32)
-    for row, rollout in enumerate(rollouts):
+    width = max(lengths)
+    # rows as Python lists, one tensor each: a tensor per row and field cost 1.5 ms a step
+    ids, trained, logprobs = [], [], []
+    for rollout, end in zip(rollouts, lengths, strict=True):
         prompt, response = rollout.prompt_token_ids, rollout.response_token_ids
-        start, end = len(prompt), len(prompt) + len(response)
-        input_ids[row, :end] = torch.tensor([*prompt, *response], dtype=torch.long)
-        attention_mask[row, :end] = 1
-        mask = rollout.response_mask
-        loss_mask[row, start:end] = 1.0 if mask is None else torch.tensor(mask, dtype=torch.float32)
-        generator_logprobs[row, start:end] = torch.tensor(
-            rollout.response_logprobs, dtype=torch.float32
-        )
+        start, tail = len(prompt), width - end
+        mask = [1.0] * len(response) if rollout.response_mask is None else rollout.response_mask
+        ids.append([*prompt, *response] + [pad_token_id] * tail)
+        trained.append([0.0] * start + [float(m) for m in mask] + [0.0] * tail)
+        logprobs.append([0.0] * start + list(rollout.response_logprobs) + [0.0] * tail)
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    attention_mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    loss_mask = torch.tensor(trained, dtype=torch.float32)
+    generator_logprobs = torch.tensor(logprobs, dtype=torch.float32)
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
