@@ -149,6 +149,19 @@ def loss_and_grads(
     return total, grads, trainer.logprobs(batch)
 
 
+def assert_same_step(padded: PolicyTrainer, other: PolicyTrainer, batch: TrainBatch) -> None:
+    """``other``'s layouts give ``padded``'s loss, gradients and logprobs (fp32, 1e-6), and 0
+    on padding."""
+    loss_a, grads_a, logprobs_a = loss_and_grads(padded, batch)
+    loss_b, grads_b, logprobs_b = loss_and_grads(other, batch)
+    assert loss_b == pytest.approx(loss_a, abs=1e-6)
+    assert grads_a.keys() == grads_b.keys()
+    for name, grad in grads_a.items():
+        assert torch.allclose(grads_b[name], grad, atol=1e-6, rtol=0), name
+    assert torch.allclose(logprobs_b, logprobs_a, atol=1e-6, rtol=0)
+    assert (logprobs_b[batch.attention_mask == 0] == 0).all()
+
+
 @pytest.mark.parametrize(
     "setup",
     [
@@ -164,14 +177,7 @@ def test_packed_and_budgeted_paths_give_the_padded_loss_and_gradients(
     batch = make_batch(size=7, width=12)
     padded = PolicyTrainer(policy(model_dir, micro_batch_size=3))
     other = PolicyTrainer(policy(model_dir, **{"micro_batch_size": 3, **setup}))
-    loss_a, grads_a, logprobs_a = loss_and_grads(padded, batch)
-    loss_b, grads_b, logprobs_b = loss_and_grads(other, batch)
-    assert loss_b == pytest.approx(loss_a, abs=1e-6)
-    assert grads_a.keys() == grads_b.keys()
-    for name, grad in grads_a.items():
-        assert torch.allclose(grads_b[name], grad, atol=1e-6, rtol=0), name
-    assert torch.allclose(logprobs_b, logprobs_a, atol=1e-6, rtol=0)
-    assert (logprobs_a[batch.attention_mask == 0] == 0).all()
+    assert_same_step(padded, other, batch)
 
 
 def shared_batch() -> TrainBatch:
@@ -194,14 +200,7 @@ def test_shared_prompts_give_the_padded_loss_and_gradients(model_dir: Path, setu
     layouts = [mb.packed for mb, _ in shared._micro_batches(batch)]
     assert all(p is not None and p.attention_mask is not None for p in layouts)
     assert sum(p.input_ids.numel() for p in layouts if p is not None) < batch.input_ids.numel()
-    loss_a, grads_a, logprobs_a = loss_and_grads(padded, batch)
-    loss_b, grads_b, logprobs_b = loss_and_grads(shared, batch)
-    assert loss_b == pytest.approx(loss_a, abs=1e-6)
-    assert grads_a.keys() == grads_b.keys()
-    for name, grad in grads_a.items():
-        assert torch.allclose(grads_b[name], grad, atol=1e-6, rtol=0), name
-    assert torch.allclose(logprobs_b, logprobs_a, atol=1e-6, rtol=0)
-    assert (logprobs_b[batch.attention_mask == 0] == 0).all()
+    assert_same_step(padded, shared, batch)
 
 
 def test_the_attention_cost_of_a_model_and_where_there_is_none(tmp_path: Path) -> None:
