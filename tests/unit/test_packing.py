@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_trainer_support import make_batch, policy, token_nll, write_tiny_qwen2
 
+from tandem.data import packing
 from tandem.data.batch import TrainBatch
 from tandem.data.packing import (
     layout_cost,
@@ -87,7 +88,9 @@ def test_a_shared_prompt_is_laid_out_once_and_seen_by_each_sequence() -> None:
     assert padding[3:] == [[0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1]]
 
 
-def test_prompts_are_shared_where_the_estimate_says_it_is_cheaper() -> None:
+def test_prompts_are_shared_where_the_estimate_says_it_is_cheaper(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # 4 sequences of a 6-token prompt and 2 own tokens: padded 4 x (8 + 0.05 x 36) = 39.2,
     # shared one row of 6 + 4 x 2 = 14 under a dense mask: 14 + 0.05 x 196 = 23.8
     short = grouped_batch([[1, 2, 3, 4, 5, 6]], [[[7, 8], [8, 7], [9, 9], [7, 7]]])
@@ -104,6 +107,10 @@ def test_prompts_are_shared_where_the_estimate_says_it_is_cheaper() -> None:
     assert mb.packed is not None and mb.packed.attention_mask is not None
     # without an attention cost nothing is shared
     (mb,) = plan_micro_batches(short, max_sequences=8)
+    assert mb.packed is None
+    # nor where the mask would be too large (one row of 14: 196 entries)
+    monkeypatch.setattr(packing, "MAX_MASK_ENTRIES", 195)
+    (mb,) = plan_micro_batches(short, max_sequences=8, attention_cost=0.05)
     assert mb.packed is None
 
 

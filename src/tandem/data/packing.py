@@ -110,14 +110,21 @@ def plan_micro_batches(
     return micro
 
 
+MAX_MASK_ENTRIES = 2**28
+"""The largest ``[R, 1, C, C]`` mask a shared-prompt layout may take (256 MiB of bools; SDPA
+may turn it into the model's dtype): beyond it a micro-batch keeps its own layout."""
+
+
 def _sharing_is_cheaper(
     part: TrainBatch, layout: Packed | None, segments: list[Segment], attention_cost: float
 ) -> bool:
     """Whether ``segments`` share a prompt and laying them out costs less than ``layout``
-    (packed) or ``part``'s padded rows (None)."""
+    (packed) or ``part``'s padded rows (None), with a mask of at most ``MAX_MASK_ENTRIES``."""
     if len(segments) == part.num_sequences:
         return False
     count, capacity, _ = _place([s.size for s in segments])
+    if count * capacity * capacity > MAX_MASK_ENTRIES:
+        return False
     rows, width = (part if layout is None else layout).input_ids.shape
     own = layout_cost(rows, width, layout is not None, attention_cost)
     return layout_cost(count, capacity, True, attention_cost) < own
