@@ -15,7 +15,7 @@ median step of each run and the ratio tandem / TRL (TRL's ``--bf16`` matches
 ``--mixed-precision``: fp32 masters, bf16 compute).
 
     PYTHONPATH=.gpu/site:src:bench python bench/e2e_gpu.py [--shapes 0.5b 1.5b] [--steps 6]
-        [--mixed-precision] [--kl-coef 0.0] [--trl --rounds 2]
+        [--mixed-precision] [--kl-coef 0.0] [--trl --rounds 2] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def run_tandem(path: Path, args: argparse.Namespace, run_dir: Path) -> list[dict
         "logging.tensorboard=false",
         f"logging.run_dir={run_dir}",
         f"logging.name={path.name}",
+        *args.overrides,
     ]
     return run_grpo(load_config(GrpoConfig, "grpo_arithmetic", overrides))
 
@@ -190,6 +191,14 @@ def main() -> None:
     parser.add_argument("--kl-coef", type=float, default=0.0)
     parser.add_argument("--trl", action="store_true", help="side by side with TRL")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more tandem overrides, e.g. policy.share_prompts=false for an A/B",
+    )
     args = parser.parse_args()
     root = Path(tempfile.gettempdir()) / "tandem-e2e"
     paths = {
