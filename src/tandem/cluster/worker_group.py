@@ -32,7 +32,6 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
-from tandem import rendezvous
 from tandem.cluster.envs import build_on_all_nodes, runtime_env_for
 from tandem.cluster.envs import env_mode as resolve_env_mode
 from tandem.cluster.groups import WorkerError
@@ -54,6 +53,10 @@ class _WorkerHost:
 
     def address(self) -> tuple[str, int]:
         """(node id, a free TCP port on this node) for the rendezvous."""
+        # here, not at the module's import: that runs as the actor is created, before the host
+        # pauses the collector, and tandem.rendezvous imports torch.distributed (0.9 s)
+        from tandem import rendezvous
+
         return ray.get_runtime_context().get_node_id(), rendezvous.free_port()
 
     def start(
