@@ -8,6 +8,7 @@ from tandem.assets import DEFAULT_MODEL_DIR
 from tandem.config.models import GenerationConfig, RefitConfig, SamplingConfig
 from tandem.generation import SamplingParams, group_rollouts, make_generator
 from tandem.generation.hf_generator import HfGenerator, filter_logits
+from tandem.generation.kv_cache import GrowingLayer
 from tandem.weight_sync import make_receiver, make_sender, metadata_of
 
 PROMPTS = ["17+25=", "3-1=", "99+99="]
@@ -208,16 +209,22 @@ def test_a_prompt_is_prefilled_once_for_its_samples(generator: HfGenerator) -> N
     them against a forward; the static cache, which prefills every row, against this path)."""
     ids = _prompt_ids(generator)
     rows: list[int] = []
-    hook = generator.model.register_forward_pre_hook(
-        lambda _module, _args, kwargs: rows.append(kwargs["input_ids"].shape[0]),
-        with_kwargs=True,
-    )
+    caches: list[object] = []
+
+    def record(_module: object, _args: object, kwargs: dict) -> None:
+        rows.append(kwargs["input_ids"].shape[0])
+        caches.append(kwargs.get("past_key_values"))
+
+    hook = generator.model.register_forward_pre_hook(record, with_kwargs=True)
     try:
         rollouts = generator.generate([*ids, ids[0]], SamplingParams(max_tokens=3, n=4, seed=3))
     finally:
         hook.remove()
     assert rows[0] == 3  # three distinct prompts
     assert set(rows[1:]) == {16} and len(rows) >= 2
+    # the decode writes its KV cache in place (generation.kv_cache), every step the same one
+    assert all(isinstance(layer, GrowingLayer) for layer in caches[0].layers)  # type: ignore[attr-defined]
+    assert all(cache is caches[0] for cache in caches)
     for r in rollouts:
         expected = _direct_logprobs(generator, r.prompt_token_ids, r.response_token_ids)
         assert torch.allclose(torch.tensor(r.response_logprobs), expected, atol=1e-5)

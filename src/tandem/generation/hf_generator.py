@@ -248,10 +248,13 @@ class HfGenerator(Generator):
     def _dynamic_decoder(
         self, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor, steps: int
     ) -> tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
-        """Prefill, then one model call per token over transformers' growing (dynamic) cache:
-        the first token's logits and the function that feeds step ``step``'s token and returns
+        """Prefill, then one model call per token over a cache that grows in place
+        (``kv_cache.growing_cache``; transformers' dynamic cache where that has none): the first
+        token's logits and the function that feeds step ``step``'s token and returns
         the next logits. Rows that repeat a prompt (``n`` samples of it) are prefilled once and
         the cache and logits copied to each."""
+        from tandem.generation.kv_cache import growing_cache
+
         size, width = input_ids.shape
         attention_mask = valid.long()
         # the same tokens at the same real positions: the same prefill
@@ -263,6 +266,7 @@ class HfGenerator(Generator):
             input_ids=input_ids[first],
             attention_mask=attention_mask[first, :width],
             position_ids=position_ids[first],
+            past_key_values=growing_cache(self.model.config, width + steps),
             use_cache=True,
             logits_to_keep=1,
         )

@@ -1,0 +1,44 @@
+"""The in-place KV cache of the transformers generator's CPU decode (``generation.kv_cache``);
+``test_hf_generator.py`` checks the decode over it against the static cache and the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tandem.generation.kv_cache import GrowingLayer, growing_cache
+
+
+def test_a_layer_writes_each_step_in_place_and_shows_the_positions_so_far() -> None:
+    layer = GrowingLayer(capacity=5)
+    prompt = torch.randn(3, 2, 2, 4)
+    keys, values = layer.update(prompt, prompt + 1)
+    assert keys.shape == (3, 2, 2, 4) and torch.equal(keys, prompt)
+    storage = layer.storage
+    assert storage is not None
+    address = storage[0].data_ptr()
+    step = torch.randn(3, 2, 1, 4)
+    keys, values = layer.update(step, step + 1)
+    assert keys.shape == (3, 2, 3, 4) and torch.equal(values[:, :, 2:], step + 1)
+    assert layer.storage is not None and layer.storage[0].data_ptr() == address  # no copy
+    assert keys.data_ptr() == address and layer.get_seq_length() == 3
+    # rows picked (one prefill per prompt, then a row per sample), then the next step
+    layer.batch_select_indices(torch.tensor([0, 0, 2]))
+    assert torch.equal(layer.keys[1, :, :2], prompt[0])
+    keys, _ = layer.update(step, step)
+    assert keys.shape == (3, 2, 4, 4) and torch.equal(keys[:, :, 3:], step)
+    layer.update(step, step)
+    with pytest.raises(ValueError, match="outgrew"):
+        layer.update(step, step)
+
+
+def test_a_cache_only_for_models_of_full_attention() -> None:
+    config = transformers.Qwen2Config(num_hidden_layers=3)
+    cache = growing_cache(config, 16)
+    assert cache is not None and len(cache.layers) == 3
+    assert all(isinstance(layer, GrowingLayer) for layer in cache.layers)
+    windowed = transformers.Qwen2Config(
+        num_hidden_layers=2, use_sliding_window=True, sliding_window=4, max_window_layers=0
+    )
+    assert growing_cache(windowed, 16) is None
