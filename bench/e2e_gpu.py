@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,6 +57,9 @@ def run_tandem(path: Path, args: argparse.Namespace, run_dir: Path) -> list[dict
     from tandem.config import GrpoConfig, load_config
     from tandem.driver import run_grpo
 
+    # a fresh run: a warm machine keeps /tmp between calls, and a named run's metrics.jsonl
+    # would take this run's steps after the last call's
+    shutil.rmtree(run_dir / path.name, ignore_errors=True)
     overrides = [
         "cluster.env_mode=shared",
         "generation.backend=hf",
