@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from tandem.attention import full_attention_only
+
 
 class GrowingLayer(DynamicLayer):
     """``DynamicLayer`` over storage for ``capacity`` positions: ``keys``/``values`` are views
@@ -58,9 +60,6 @@ class GrowingLayer(DynamicLayer):
 def growing_cache(config: Any, capacity: int) -> Cache | None:
     """A cache of ``GrowingLayer``s for a model of ``config``, or None where its layers are not
     all full attention (sliding windows and linear attention keep transformers' own cache)."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
-        return None
-    if layer_types is None and getattr(config, "sliding_window", None):
+    if not full_attention_only(config):
         return None
     return Cache(layers=[GrowingLayer(capacity) for _ in range(config.num_hidden_layers)])

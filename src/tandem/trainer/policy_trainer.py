@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.attention import full_attention_only
 from tandem.checkpoint import Ranks, TrainState, hf_export, sharded
 from tandem.config.models import PolicyConfig
 from tandem.data.batch import TrainBatch
@@ -51,11 +52,7 @@ def shared_prompt_cost(lm: Any) -> float | None:
     config = lm.config
     if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        if any(kind != "full_attention" for kind in layer_types):
-            return None
-    elif getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+    if not full_attention_only(config):
         return None
     embedded = sum(p.numel() for p in lm.get_input_embeddings().parameters())
     weights = sum(p.numel() for p in lm.get_decoder().parameters()) - embedded
