@@ -114,15 +114,31 @@ def test_prompts_are_shared_where_the_estimate_says_it_is_cheaper(
     assert mb.packed is None
 
 
-def test_budgets_group_by_length_and_trim() -> None:
+def rows_and_widths(plan: list[packing.MicroBatch]) -> list[tuple[list[int], int]]:
+    return [(mb.rows.tolist(), mb.batch.input_ids.shape[1]) for mb in plan]
+
+
+def test_micro_batches_hold_similar_lengths_where_a_cut_saves_more_than_it_costs() -> None:
     batch = batch_of([6, 1, 5, 2, 2])
-    plain = plan_micro_batches(batch, max_sequences=2)
-    assert [mb.rows.tolist() for mb in plain] == [[0, 1], [2, 3], [4]]
-    assert [mb.batch.input_ids.shape[1] for mb in plain] == [6, 5, 2]  # trimmed
-    # longest first; padded cost = count x longest: 2 x 6 > 10, 2 x 5 <= 10, 3 x 5 > 10
+    # in order: [6, 1], [5, 2], [2] = 12 + 10 + 2 padded tokens; sorted: [6, 5], [2, 2], [1]
+    # = 12 + 4 + 1 for the same three micro-batches
+    plain = plan_micro_batches(batch, max_sequences=2, overhead=10**6)
+    assert rows_and_widths(plain) == [([0, 2], 6), ([3, 4], 2), ([1], 1)]  # trimmed
+    # free micro-batches: a cut at every change of length
+    cut = plan_micro_batches(batch, max_sequences=8, overhead=0)
+    assert rows_and_widths(cut) == [([0], 6), ([2], 5), ([3, 4], 2), ([1], 1)]
+    # 4 x 10 and 4 x 2 tokens: one micro-batch pads 32 tokens, so a cut is worth overhead < 32
+    two = batch_of([10, 2, 10, 2, 2, 10, 10, 2], width=10)
+    assert len(plan_micro_batches(two, max_sequences=8, overhead=31)) == 2
+    assert rows_and_widths(plan_micro_batches(two, max_sequences=8, overhead=33)) == [
+        (list(range(8)), 10)
+    ]
+    # a padded budget, count x longest <= 10: [6], [5], [2, 2, 1] pads 1 token, where the
+    # equally many [6], [5, 2], [2, 1] would pad 4
     budget = plan_micro_batches(batch, max_sequences=4, max_tokens=10)
-    assert [mb.rows.tolist() for mb in budget] == [[0], [2, 3], [1, 4]]
-    assert [mb.batch.input_ids.shape[1] for mb in budget] == [6, 5, 2]
+    assert rows_and_widths(budget) == [([0], 6), ([2], 5), ([1, 3, 4], 2)]
+    two_budget = plan_micro_batches(two, max_sequences=8, max_tokens=20, overhead=10**6)
+    assert rows_and_widths(two_budget) == [([0, 2], 10), ([5, 6], 10), ([1, 3, 4, 7], 2)]
     # packed cost = real tokens: 6 + 5 > 8, 5 + 2 <= 8, 5 + 2 + 2 > 8, then 2 + 1
     packed = plan_micro_batches(batch, max_sequences=4, max_tokens=8, pack=True)
     assert [mb.rows.tolist() for mb in packed] == [[0], [2, 3], [1, 4]]
@@ -175,15 +191,21 @@ def assert_same_step(padded: PolicyTrainer, other: PolicyTrainer, batch: TrainBa
         {"packing": True},
         {"max_tokens_per_micro_batch": 30},
         {"packing": True, "micro_batch_size": 8},
+        {"micro_batch_overhead": 0},
     ],
-    ids=["packed", "token-budget", "packed-one-micro-batch"],
+    ids=["packed", "token-budget", "packed-one-micro-batch", "cut-by-length"],
 )
 def test_packed_and_budgeted_paths_give_the_padded_loss_and_gradients(
     model_dir: Path, setup: dict
 ) -> None:
     batch = make_batch(size=7, width=12)
-    padded = PolicyTrainer(policy(model_dir, micro_batch_size=3))
+    # one padded micro-batch: no cut is worth its cost
+    padded = PolicyTrainer(policy(model_dir, micro_batch_size=8, micro_batch_overhead=10**6))
+    assert len(padded._micro_batches(batch)) == 1
     other = PolicyTrainer(policy(model_dir, **{"micro_batch_size": 3, **setup}))
+    if "micro_batch_overhead" in setup:  # free micro-batches: cut at every change of length
+        lengths = batch.attention_mask.sum(-1).unique()
+        assert len(other._micro_batches(batch)) >= len(lengths) > 1
     assert_same_step(padded, other, batch)
 
 

@@ -82,9 +82,13 @@ class PolicyConfig(Section):
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; gradients accumulate over the micro-batches of a step."""
     max_tokens_per_micro_batch: int | None = Field(None, ge=1)
-    """Token budget of a micro-batch: sequences are sorted by length and grouped so that its
-    padded size (packed: its tokens) stays within it, at most micro_batch_size of them. None:
-    groups of micro_batch_size in order. Every micro-batch is trimmed to its longest sequence."""
+    """Token budget of a micro-batch: its padded size (packed: its tokens) stays within it.
+    Micro-batches hold sequences of similar length where that saves more padding than a
+    micro-batch costs (``micro_batch_overhead``), else micro_batch_size of them in order; each
+    is trimmed to its longest sequence (``data/packing.py``)."""
+    micro_batch_overhead: int | None = Field(None, ge=0)
+    """A micro-batch's fixed cost, in tokens of compute, against which cutting a batch by
+    length weighs the padding saved. None: measured defaults, 128 on CPU, 4096 on GPU."""
     packing: bool = False
     """Lay a micro-batch's sequences end to end (positions restart, block-diagonal attention),
     so no compute goes to padding; gives the padded path's loss and gradients."""

@@ -5,8 +5,15 @@ A right-padded ``TrainBatch`` is cut into micro-batches for the trainer's forwar
 
 - every micro-batch is trimmed to its own longest sequence (right padding after it is never
   attended to, so this changes nothing but the work);
-- with ``max_tokens`` the sequences are sorted by length and grouped so that a micro-batch's
-  padded size (or, packed, its real tokens) stays within that budget, however long they are;
+- unpacked, the sequences are sorted by length and cut into runs where the padding a cut
+  saves outweighs a micro-batch's fixed cost (``overhead``, in tokens of compute: its kernel
+  launches and Python); a run longer than ``max_sequences``, or whose padded size passes
+  ``max_tokens``, is split into consecutive micro-batches. The plan is compared with the
+  micro-batches of ``max_sequences`` in order, and the cheaper one by ``layout_cost`` (with
+  shared prompts where they apply) is taken: sorting scatters GRPO's groups, whose shared prompt
+  can be worth more than the padding;
+- packed, with ``max_tokens``, the sequences are grouped longest first so that a micro-batch's
+  real tokens stay within that budget, however long they are;
 - with ``pack`` the sequences of a micro-batch are laid end to end in rows as long as its
   longest sequence (first fit, longest first), with positions restarting at every sequence.
   The model is then called with those ``position_ids`` and no attention mask: transformers
@@ -29,6 +36,7 @@ normalised by global token counts.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -74,40 +82,131 @@ def trimmed(batch: TrainBatch) -> TrainBatch:
     return batch.columns(slice(0, width))
 
 
+MICRO_BATCH_OVERHEAD = {"cpu": 128, "cuda": 4096}
+"""A micro-batch's fixed cost in tokens of compute, by device type (``policy.
+micro_batch_overhead`` overrides). On the 2-core CPU one more micro-batch of the same tokens
+took 9 ms with the embedded model (57 us a token: 160 tokens) and 44-59 ms with a 21M-parameter
+one (0.73 ms a token: 60-80 tokens). A GPU runs a token in microseconds and a micro-batch's
+kernel launches in milliseconds."""
+
+
 def plan_micro_batches(
     batch: TrainBatch,
     max_sequences: int,
     max_tokens: int | None = None,
     pack: bool = False,
     attention_cost: float | None = None,
+    overhead: int = MICRO_BATCH_OVERHEAD["cpu"],
 ) -> list[MicroBatch]:
     """Micro-batches covering every sequence of ``batch`` once (see the module docstring).
 
-    Without ``max_tokens`` or ``pack``: consecutive groups of ``max_sequences``, trimmed.
-    Otherwise sequences go longest first into groups of at most ``max_sequences`` whose cost
-    stays within ``max_tokens`` (default ``max_sequences`` x the longest sequence): the padded
-    size ``count x longest`` unpacked, the real tokens packed. A sequence longer than the
-    budget gets a micro-batch of its own. With ``attention_cost`` (see ``layout_cost``) a
-    micro-batch whose sequences share prompts computes each once where that is cheaper."""
+    Unpacked: the cheaper of the sorted runs (``_cut_by_length``) and groups of
+    ``max_sequences`` in order (when ``max_tokens`` allows them), by ``layout_cost`` plus
+    ``overhead`` per micro-batch. Packed: sequences go longest first into groups of at most
+    ``max_sequences`` whose real tokens stay within ``max_tokens`` (default ``max_sequences`` x
+    the longest sequence); a sequence longer than the budget gets a micro-batch of its own.
+    With ``attention_cost`` (see ``layout_cost``) a micro-batch whose sequences share prompts
+    computes each once where that is cheaper."""
+    if not batch.num_sequences:
+        return []
     lengths = sequence_lengths(batch)
-    if max_tokens is None and not pack:
-        groups = [
-            torch.arange(start, min(start + max_sequences, batch.num_sequences))
-            for start in range(0, batch.num_sequences, max_sequences)
-        ]
-    else:
+    prompts = _Prompts(batch) if attention_cost is not None else None
+    if pack:
         budget = max_tokens or max_sequences * int(lengths.max())
-        groups = _budget_groups(lengths, max_sequences, budget, pack)
-    micro = []
-    for rows in groups:
-        part = trimmed(batch.select(rows))
-        layout = pack_sequences(part) if pack else None
-        if attention_cost is not None:
-            segments = prompt_segments(part)
-            if _sharing_is_cheaper(part, layout, segments, attention_cost):
-                layout = pack_sequences(part, segments)
-        micro.append(MicroBatch(rows, part, layout))
-    return micro
+        groups = _budget_groups(lengths, max_sequences, budget)
+        return [
+            _micro_batch(*_layout(batch, rows, True, attention_cost, prompts)) for rows in groups
+        ]
+    plans = [_cut_by_length(lengths, max_sequences, max_tokens, overhead)]
+    in_order = [
+        torch.arange(start, min(start + max_sequences, batch.num_sequences))
+        for start in range(0, batch.num_sequences, max_sequences)
+    ]
+    fits = max_tokens is None or all(len(g) * int(lengths[g].max()) <= max_tokens for g in in_order)
+    if fits and [g.tolist() for g in plans[0]] != [g.tolist() for g in in_order]:
+        plans.append(in_order)
+    laid = [
+        [_layout(batch, rows, False, attention_cost, prompts) for rows in groups]
+        for groups in plans
+    ]
+    cheapest = min(laid, key=lambda plan: sum(cost for *_, cost in plan) + overhead * len(plan))
+    return [_micro_batch(*parts) for parts in cheapest]
+
+
+def _layout(
+    batch: TrainBatch,
+    rows: torch.Tensor,
+    pack: bool,
+    attention_cost: float | None,
+    prompts: _Prompts | None,
+) -> tuple[torch.Tensor, TrainBatch, Packed | None, list[Segment] | None, float]:
+    """The micro-batch of ``rows`` in its cheaper layout, built lazily where prompts are
+    shared: (rows, its trimmed sequences, its packed layout, the segments that share prompts
+    instead (None: not shared), the layout's cost)."""
+    part = trimmed(batch.select(rows))
+    packed = pack_sequences(part) if pack else None
+    rows_, width = (part if packed is None else packed).input_ids.shape
+    cost = layout_cost(rows_, width, pack, attention_cost or 0.0)
+    if attention_cost is not None and prompts is not None:
+        segments = _segments(prompts, rows.tolist())
+        shared = _shared_cost(part, segments, attention_cost)
+        if shared is not None and shared < cost:
+            return rows, part, None, segments, shared
+    return rows, part, packed, None, cost
+
+
+def _micro_batch(
+    rows: torch.Tensor,
+    part: TrainBatch,
+    packed: Packed | None,
+    segments: list[Segment] | None,
+    _: float,
+) -> MicroBatch:
+    if segments is not None:
+        packed = pack_sequences(part, segments)
+    return MicroBatch(rows, part, packed)
+
+
+def _cut_by_length(
+    lengths: torch.Tensor, max_sequences: int, max_tokens: int | None, overhead: int
+) -> list[torch.Tensor]:
+    """Sequences sorted longest first, cut where a cut saves more padded tokens than
+    ``overhead``: dynamic programming over the runs of equal length (a cut inside a run saves
+    nothing). A run of more than ``max_sequences``, or ``max_tokens`` padded, becomes
+    consecutive micro-batches within those bounds (padded to at most its longest)."""
+    order = torch.argsort(lengths, descending=True, stable=True)
+    sizes = lengths[order].tolist()
+    n = len(sizes)
+    bounds = [0] + [i for i in range(1, n) if sizes[i] != sizes[i - 1]] + [n]
+    tokens = [0]  # tokens[k]: real tokens of the k longest sequences
+    for size in sizes:
+        tokens.append(tokens[-1] + size)
+
+    def per_group(i: int) -> int:  # sequences a micro-batch starting at sorted position i holds
+        fit = max_tokens // max(sizes[i], 1) if max_tokens is not None else max_sequences
+        return max(1, min(max_sequences, fit))
+
+    # best[b]: least cost of the sequences before bounds[b]; start[b]: where its last cut is
+    best, start = [0.0] * len(bounds), [0] * len(bounds)
+    for b in range(1, len(bounds)):
+        j = bounds[b]
+        best[b] = float("inf")
+        for a in range(b - 1, -1, -1):  # the last micro-batch starts at bounds[a]
+            i = bounds[a]
+            padding = (j - i) * sizes[i] - (tokens[j] - tokens[i])
+            if tokens[j] + padding >= best[b]:
+                break  # padding only grows with an earlier start; every cost >= tokens[j]
+            cost = best[a] + (j - i) * sizes[i] + overhead * -(-(j - i) // per_group(i))
+            if cost < best[b]:
+                best[b], start[b] = cost, a
+    groups: list[torch.Tensor] = []
+    b = len(bounds) - 1
+    while b:
+        i, j = bounds[start[b]], bounds[b]
+        step = per_group(i)
+        groups[:0] = [order[k : min(k + step, j)].sort().values for k in range(i, j, step)]
+        b = start[b]
+    return groups
 
 
 MAX_MASK_ENTRIES = 2**28
@@ -115,19 +214,15 @@ MAX_MASK_ENTRIES = 2**28
 may turn it into the model's dtype): beyond it a micro-batch keeps its own layout."""
 
 
-def _sharing_is_cheaper(
-    part: TrainBatch, layout: Packed | None, segments: list[Segment], attention_cost: float
-) -> bool:
-    """Whether ``segments`` share a prompt and laying them out costs less than ``layout``
-    (packed) or ``part``'s padded rows (None), with a mask of at most ``MAX_MASK_ENTRIES``."""
+def _shared_cost(part: TrainBatch, segments: list[Segment], attention_cost: float) -> float | None:
+    """``layout_cost`` of ``segments`` laid out with shared prompts; None where no prompt is
+    shared or the mask would pass ``MAX_MASK_ENTRIES``."""
     if len(segments) == part.num_sequences:
-        return False
+        return None
     count, capacity, _ = _place([s.size for s in segments])
     if count * capacity * capacity > MAX_MASK_ENTRIES:
-        return False
-    rows, width = (part if layout is None else layout).input_ids.shape
-    own = layout_cost(rows, width, layout is not None, attention_cost)
-    return layout_cost(count, capacity, True, attention_cost) < own
+        return None
+    return layout_cost(count, capacity, True, attention_cost)
 
 
 def layout_cost(rows: int, width: int, dense: bool, attention_cost: float) -> float:
@@ -139,23 +234,19 @@ def layout_cost(rows: int, width: int, dense: bool, attention_cost: float) -> fl
     return rows * (width + attention_cost * pairs)
 
 
-def _budget_groups(
-    lengths: torch.Tensor, max_sequences: int, budget: int, pack: bool
-) -> list[torch.Tensor]:
+def _budget_groups(lengths: torch.Tensor, max_sequences: int, budget: int) -> list[torch.Tensor]:
+    """Longest first into groups of at most ``max_sequences`` and ``budget`` real tokens."""
     order = torch.argsort(lengths, descending=True, stable=True).tolist()
     groups: list[list[int]] = []
     cost = 0
     for row in order:
         length = int(lengths[row])
-        group = groups[-1] if groups else None
-        # sorted longest first: the group's first sequence is its longest
-        added = length if pack else (0 if group is None else int(lengths[group[0]]))
-        if group is None or len(group) >= max_sequences or cost + added > budget:
+        if not groups or len(groups[-1]) >= max_sequences or cost + length > budget:
             groups.append([row])
             cost = length
         else:
-            group.append(row)
-            cost += added
+            groups[-1].append(row)
+            cost += length
     return [torch.tensor(sorted(g)) for g in groups]
 
 
@@ -176,17 +267,37 @@ class Segment:
 def prompt_segments(batch: TrainBatch) -> list[Segment]:
     """The sequences of ``batch`` grouped by their prompt: the tokens before the first trained
     one (all of a sequence's tokens when none is trained), in order of first appearance."""
-    lengths = sequence_lengths(batch).tolist()
-    trained = batch.loss_mask > 0
-    first = torch.where(trained.any(-1), trained.int().argmax(-1), batch.attention_mask.sum(-1))
-    ids = batch.input_ids.tolist()
-    by_prompt: dict[tuple[int, ...], Segment] = {}
-    for j, (length, start) in enumerate(zip(lengths, first.tolist(), strict=True)):
-        prompt = min(start, length)
-        segment = by_prompt.setdefault(tuple(ids[j][:prompt]), Segment([], prompt, []))
+    return _segments(_Prompts(batch), range(batch.num_sequences))
+
+
+class _Prompts:
+    """Each sequence's prompt (see ``prompt_segments``) as an id shared by equal prompts, its
+    prompt's length and its own length; found once for a batch, used by its micro-batches."""
+
+    def __init__(self, batch: TrainBatch) -> None:
+        self.lengths = sequence_lengths(batch).tolist()
+        trained = batch.loss_mask > 0
+        first = torch.where(
+            trained.any(-1), trained.int().argmax(-1), batch.attention_mask.sum(-1)
+        ).tolist()
+        self.prompt = [min(start, length) for start, length in zip(first, self.lengths, strict=True)]
+        ids = batch.input_ids.tolist()
+        keys: dict[tuple[int, ...], int] = {}
+        self.key = [
+            keys.setdefault(tuple(ids[j][: self.prompt[j]]), len(keys)) for j in range(len(ids))
+        ]
+
+
+def _segments(prompts: _Prompts, rows: Iterable[int]) -> list[Segment]:
+    """``prompt_segments`` of the micro-batch of ``rows`` (members are its own indices)."""
+    by_key: dict[int, Segment] = {}
+    for j, row in enumerate(rows):
+        segment = by_key.get(prompts.key[row])
+        if segment is None:
+            segment = by_key[prompts.key[row]] = Segment([], prompts.prompt[row], [])
         segment.members.append(j)
-        segment.lengths.append(length)
-    return list(by_prompt.values())
+        segment.lengths.append(prompts.lengths[row])
+    return list(by_key.values())
 
 
 def _place(sizes: list[int]) -> tuple[int, int, list[tuple[int, int]]]:

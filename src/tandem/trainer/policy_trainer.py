@@ -20,7 +20,13 @@ from tandem.attention import full_attention_only
 from tandem.checkpoint import Ranks, TrainState, hf_export, sharded
 from tandem.config.models import PolicyConfig
 from tandem.data.batch import TrainBatch
-from tandem.data.packing import MicroBatch, plan_micro_batches, trimmed, unpack
+from tandem.data.packing import (
+    MICRO_BATCH_OVERHEAD,
+    MicroBatch,
+    plan_micro_batches,
+    trimmed,
+    unpack,
+)
 from tandem.trainer.logprobs import LogprobModel
 from tandem.trainer.offload import HostPool, move_state, offload_bytes
 from tandem.trainer.parallelize import (
@@ -107,6 +113,11 @@ class PolicyTrainer:
         self.lm.config.use_cache = False
         self.attention_cost = shared_prompt_cost(self.lm) if config.share_prompts else None
         """``plan_micro_batches``' attention_cost: None computes every sequence's prompt."""
+        self.micro_batch_overhead = (
+            MICRO_BATCH_OVERHEAD.get(self.device.type, MICRO_BATCH_OVERHEAD["cuda"])
+            if config.micro_batch_overhead is None
+            else config.micro_batch_overhead
+        )
         if not trainable:
             self.lm.requires_grad_(False)
         if config.activation_checkpointing:
@@ -159,6 +170,7 @@ class PolicyTrainer:
                 config.max_tokens_per_micro_batch,
                 config.packing,
                 self.attention_cost,
+                self.micro_batch_overhead,
             )
         ]
         # one collective for both: the most micro-batches and (negated) the fewest sequences
