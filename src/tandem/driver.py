@@ -89,11 +89,21 @@ class Checkpoints:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def check_resumable(config: GrpoConfig | SftConfig | DpoConfig, kind: str) -> None:
-    """``--resume`` finds a complete checkpoint to continue (checked before anything starts)."""
-    run_dir = make_run_dir(config.logging, kind, resume=True)
-    if Checkpoints(run_dir, config.checkpoint).latest() is None:
-        raise ValueError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
+def check_run_dir(config: GrpoConfig | SftConfig | DpoConfig, kind: str, resume: bool) -> None:
+    """Checked before anything starts: ``--resume`` finds a complete checkpoint to continue; a
+    fresh run named by ``logging.name`` does not write into a folder that holds another run
+    (its steps would follow the old ones in ``metrics.jsonl``, beside the old checkpoints)."""
+    run_dir = make_run_dir(config.logging, kind, resume)
+    if resume:
+        if Checkpoints(run_dir, config.checkpoint).latest() is None:
+            raise ValueError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
+        return
+    earlier = [name for name in ("metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
+    if earlier:
+        raise ValueError(
+            f"logging.name={config.logging.name}: {run_dir} holds an earlier run "
+            f"({', '.join(earlier)}); continue it with --resume, or give another logging.name"
+        )
 
 
 def _truncate_metrics(run_dir: Path, after_step: int) -> None:
@@ -173,8 +183,7 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
     from tandem.preflight import check_episode_length, check_run_inputs
 
     context = check_run_inputs(config.policy, config.generation, config.data)  # before torch
-    if resume:
-        check_resumable(config, "grpo")
+    check_run_dir(config, "grpo", resume)
     from tandem.algorithms.async_grpo import RolloutPipeline
     from tandem.algorithms.grpo import evaluate, grpo_step
     from tandem.cluster.runtime import RuntimeSpec
@@ -275,8 +284,7 @@ def run_sft(config: SftConfig, resume: bool = False) -> list[dict[str, Any]]:
     from tandem.preflight import check_run_inputs
 
     context = check_run_inputs(config.policy, config.generation, config.data)  # before torch
-    if resume:
-        check_resumable(config, "sft")
+    check_run_dir(config, "sft", resume)
     from tandem.algorithms.grpo import evaluate
     from tandem.algorithms.sft import sft_step
     from tandem.cluster.runtime import RuntimeSpec
@@ -315,8 +323,7 @@ def run_dpo(config: DpoConfig, resume: bool = False) -> list[dict[str, Any]]:
     from tandem.preflight import check_run_inputs
 
     check_run_inputs(config.policy, config.generation, config.data)  # before torch
-    if resume:
-        check_resumable(config, "dpo")
+    check_run_dir(config, "dpo", resume)
     from tandem.algorithms.dpo import dpo_step, score_pairs, summary
     from tandem.algorithms.grpo import evaluate
     from tandem.cluster.runtime import Runtime, RuntimeSpec

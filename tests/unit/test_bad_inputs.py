@@ -22,6 +22,7 @@ Setup = Callable[[Path], list[str]]
 
 
 def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
 
@@ -178,6 +179,14 @@ CASES: dict[str, tuple[Setup, str]] = {
         "--resume: no complete checkpoint",
     ),
     "export of no checkpoint": (lambda t: ["export", str(t), str(t / "out")], "not a complete"),
+    "a named run over an earlier one": (
+        lambda t: [
+            "grpo",
+            f"logging.run_dir={_write(t / 'old' / 'x' / 'metrics.jsonl', '{}').parents[1]}",
+            "logging.name=x",
+        ],
+        "holds an earlier run (metrics.jsonl); continue it with --resume",
+    ),
 }
 
 

@@ -298,7 +298,9 @@ class LoggingConfig(Section):
     run_dir: Path = Path("runs")
     """Parent folder of run directories."""
     name: str | None = None
-    """Run name (folder under run_dir); None uses the recipe name and a timestamp."""
+    """Run name (folder under run_dir); None uses the recipe name and a timestamp. A fresh run
+    refuses a folder that holds an earlier run's metrics or checkpoints (``--resume`` continues
+    it)."""
     tensorboard: bool = True
     """Write TensorBoard events."""
     wandb_project: str | None = None

@@ -280,7 +280,9 @@ class _Prompts:
         first = torch.where(
             trained.any(-1), trained.int().argmax(-1), batch.attention_mask.sum(-1)
         ).tolist()
-        self.prompt = [min(start, length) for start, length in zip(first, self.lengths, strict=True)]
+        self.prompt = [
+            min(start, length) for start, length in zip(first, self.lengths, strict=True)
+        ]
         ids = batch.input_ids.tolist()
         keys: dict[tuple[int, ...], int] = {}
         self.key = [
