@@ -133,6 +133,13 @@ def test_micro_batches_hold_similar_lengths_where_a_cut_saves_more_than_it_costs
     assert rows_and_widths(plan_micro_batches(two, max_sequences=8, overhead=33)) == [
         (list(range(8)), 10)
     ]
+    # lengths within 1/256 of the longest of each other are one run: no cut between 1022 and
+    # 1021 (it would save 1 token), one before 10
+    near = batch_of([1022, 10, 1021], width=1022)
+    assert rows_and_widths(plan_micro_batches(near, max_sequences=8, overhead=0)) == [
+        ([0, 2], 1022),
+        ([1], 10),
+    ]
     # a padded budget, count x longest <= 10: [6], [5], [2, 2, 1] pads 1 token, where the
     # equally many [6], [5, 2], [2, 1] would pad 4
     budget = plan_micro_batches(batch, max_sequences=4, max_tokens=10)

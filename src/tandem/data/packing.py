@@ -167,25 +167,32 @@ def _micro_batch(
     return MicroBatch(rows, part, packed)
 
 
+CUT_RESOLUTION = 256
+"""``_cut_by_length`` weighs cuts between lengths that differ by 1/256 of the longest, so its
+dynamic program has at most 257 runs, however many sequences and lengths (4096 sequences of up
+to 8192 tokens: 0.6-1.3 s with every distinct length a run)."""
+
+
 def _cut_by_length(
     lengths: torch.Tensor, max_sequences: int, max_tokens: int | None, overhead: int
 ) -> list[torch.Tensor]:
     """Sequences sorted longest first, cut where a cut saves more padded tokens than
-    ``overhead``: dynamic programming over the runs of equal length (a cut inside a run saves
-    nothing). A run of more than ``max_sequences``, or ``max_tokens`` padded, becomes
-    consecutive micro-batches within those bounds (padded to at most its longest)."""
+    ``overhead``: dynamic programming over runs of (nearly, ``CUT_RESOLUTION``) equal length.
+    A run of more than ``max_sequences``, or ``max_tokens`` padded, becomes consecutive
+    micro-batches within those bounds (padded to at most its longest)."""
     order = torch.argsort(lengths, descending=True, stable=True)
     sizes = lengths[order].tolist()
     n = len(sizes)
-    bounds = [0] + [i for i in range(1, n) if sizes[i] != sizes[i - 1]] + [n]
+    unit = max(1, sizes[0] // CUT_RESOLUTION)
+    bounds = [0] + [i for i in range(1, n) if sizes[i] // unit != sizes[i - 1] // unit] + [n]
     tokens = [0]  # tokens[k]: real tokens of the k longest sequences
     for size in sizes:
         tokens.append(tokens[-1] + size)
-
-    def per_group(i: int) -> int:  # sequences a micro-batch starting at sorted position i holds
-        fit = max_tokens // max(sizes[i], 1) if max_tokens is not None else max_sequences
-        return max(1, min(max_sequences, fit))
-
+    # sequences a micro-batch starting at bounds[a] holds
+    fits = [
+        max(1, min(max_sequences, max_tokens // max(sizes[i], 1) if max_tokens is not None else n))
+        for i in bounds[:-1]
+    ]
     # best[b]: least cost of the sequences before bounds[b]; start[b]: where its last cut is
     best, start = [0.0] * len(bounds), [0] * len(bounds)
     for b in range(1, len(bounds)):
@@ -196,16 +203,16 @@ def _cut_by_length(
             padding = (j - i) * sizes[i] - (tokens[j] - tokens[i])
             if tokens[j] + padding >= best[b]:
                 break  # padding only grows with an earlier start; every cost >= tokens[j]
-            cost = best[a] + (j - i) * sizes[i] + overhead * -(-(j - i) // per_group(i))
+            cost = best[a] + (j - i) * sizes[i] + overhead * -(-(j - i) // fits[a])
             if cost < best[b]:
                 best[b], start[b] = cost, a
     groups: list[torch.Tensor] = []
     b = len(bounds) - 1
     while b:
-        i, j = bounds[start[b]], bounds[b]
-        step = per_group(i)
-        groups[:0] = [order[k : min(k + step, j)].sort().values for k in range(i, j, step)]
-        b = start[b]
+        a = start[b]
+        i, j = bounds[a], bounds[b]
+        groups[:0] = [order[k : min(k + fits[a], j)].sort().values for k in range(i, j, fits[a])]
+        b = a
     return groups
 
 
