@@ -122,8 +122,10 @@ def plan_micro_batches(
         torch.arange(start, min(start + max_sequences, batch.num_sequences))
         for start in range(0, batch.num_sequences, max_sequences)
     ]
-    fits = max_tokens is None or all(len(g) * int(lengths[g].max()) <= max_tokens for g in in_order)
-    if fits and [g.tolist() for g in plans[0]] != [g.tolist() for g in in_order]:
+    in_budget = max_tokens is None or all(
+        len(g) * int(lengths[g].max()) <= max_tokens for g in in_order
+    )
+    if in_budget and [g.tolist() for g in plans[0]] != [g.tolist() for g in in_order]:
         plans.append(in_order)
     laid = [
         [_layout(batch, rows, False, attention_cost, prompts) for rows in groups]
