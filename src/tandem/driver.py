@@ -3,6 +3,7 @@ checkpoints and resume. The algorithms' arithmetic lives in ``tandem.algorithms`
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -184,9 +185,7 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
 
     context = check_run_inputs(config.policy, config.generation, config.data)  # before torch
     check_run_dir(config, "grpo", resume)
-    from tandem.algorithms.async_grpo import RolloutPipeline
-    from tandem.algorithms.grpo import evaluate, grpo_step
-    from tandem.cluster.runtime import RuntimeSpec
+    from tandem.cluster.spec import RuntimeSpec
 
     algo = config.algorithm
     spec = RuntimeSpec(
@@ -204,6 +203,9 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
         runtime_and_prompts(config, spec, context) as (runtime, source),
         environments(config) as envs,
     ):
+        from tandem.algorithms.async_grpo import RolloutPipeline
+        from tandem.algorithms.grpo import evaluate, grpo_step
+
         source.environments = envs
 
         def step_fn(step: int) -> dict[str, float]:
@@ -258,9 +260,11 @@ def runtime_and_prompts(
 ) -> Iterator[tuple[Any, Any]]:
     """The started runtime and the prompt source (``preflight.check_run_inputs`` has checked
     the inputs and found the model's ``context``). The prompts are read (and checked) before
-    anything starts; the tokenizer loads (transformers' import takes seconds) while the actors
-    start."""
-    from tandem.cluster.runtime import Runtime
+    anything starts. Then Ray starts while a thread imports the runtime (torch: 1.1-1.3 s) and
+    loads the tokenizer (transformers' import takes seconds), which goes on while the actors
+    start. Ray starts in this thread: started from another, its processes die with that thread.
+    Before here the driver imports nothing that imports torch."""
+    from tandem.cluster.ray_cluster import init_ray
     from tandem.data.prompts import PromptSource, load_prompt_items, load_tokenizer
     from tandem.preflight import check_prompt_lengths
     from tandem.rewards import RewardScorer
@@ -272,8 +276,10 @@ def runtime_and_prompts(
     environment = config.environment if isinstance(config, GrpoConfig) else None
     train, eval_items = load_prompt_items(data, seed, environment=environment)
     with scorer, ThreadPoolExecutor(max_workers=1) as pool:
+        runtime_module = pool.submit(importlib.import_module, "tandem.cluster.runtime")
         tokenizer = pool.submit(load_tokenizer, config.policy.model_path)
-        with Runtime.start(spec) as runtime:
+        init_ray(spec.cluster.address)
+        with runtime_module.result().Runtime.start(spec) as runtime:
             source = PromptSource(train, eval_items, tokenizer.result(), scorer, seed)
             check_prompt_lengths(source.longest_prompts(), context, config.generation)
             yield runtime, source
@@ -285,9 +291,7 @@ def run_sft(config: SftConfig, resume: bool = False) -> list[dict[str, Any]]:
 
     context = check_run_inputs(config.policy, config.generation, config.data)  # before torch
     check_run_dir(config, "sft", resume)
-    from tandem.algorithms.grpo import evaluate
-    from tandem.algorithms.sft import sft_step
-    from tandem.cluster.runtime import RuntimeSpec
+    from tandem.cluster.spec import RuntimeSpec
     from tandem.config.models import RefitConfig
 
     algo = config.algorithm
@@ -295,12 +299,14 @@ def run_sft(config: SftConfig, resume: bool = False) -> list[dict[str, Any]]:
     spec = RuntimeSpec(
         config.cluster, config.policy, config.generation, RefitConfig(), total_steps=algo.num_steps
     )
-
-    def eval_fn() -> dict[str, float]:
-        runtime.refit()
-        return evaluate(runtime, source, config.data.num_eval_prompts, sampling)
-
     with runtime_and_prompts(config, spec, context) as (runtime, source):
+        from tandem.algorithms.grpo import evaluate
+        from tandem.algorithms.sft import sft_step
+
+        def eval_fn() -> dict[str, float]:
+            runtime.refit()
+            return evaluate(runtime, source, config.data.num_eval_prompts, sampling)
+
         records = run_loop(
             config,
             "sft",

@@ -16,6 +16,7 @@ import pytest
 
 from tandem.assets import DEFAULT_MODEL_DIR
 from tandem.cli import main
+from tandem.cluster import ray_cluster
 
 Setup = Callable[[Path], list[str]]
 """Builds whatever the case needs under a temp folder; returns the command's arguments."""
@@ -199,6 +200,11 @@ def test_bad_input_exits_2_with_one_message(
     args = setup(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("RAY_ADDRESS", "")
+
+    def no_ray(*_: object) -> None:
+        raise AssertionError("Ray started for a bad input")
+
+    monkeypatch.setattr(ray_cluster, "init_ray", no_ray)
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -251,3 +257,18 @@ def test_preflight_checks_the_model_folder_without_importing_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_driver_reaches_ray_without_importing_torch() -> None:
+    """Everything the driver does before Ray starts (``driver.runtime_and_prompts``) is
+    torch-free, so torch's import (1.1-1.3 s) runs in a thread while Ray starts."""
+    code = (
+        "import sys; import tandem.cli, tandem.driver, tandem.cluster.ray_cluster; "
+        "from tandem.cluster.spec import RuntimeSpec; from tandem.config import GrpoConfig; "
+        "from tandem.data.prompts import load_prompt_items; from tandem.rewards import "
+        "RewardScorer; c = GrpoConfig(); "
+        "RuntimeSpec(c.cluster, c.policy, c.generation, c.refit); "
+        "load_prompt_items(c.data, 0); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"

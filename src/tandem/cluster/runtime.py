@@ -33,13 +33,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from tandem.cluster.groups import Group, WorkerError, get_together
-from tandem.config.models import (
-    ClusterConfig,
-    GenerationConfig,
-    PolicyConfig,
-    RefitConfig,
-    generator_dtype,
-)
+from tandem.cluster.spec import RuntimeSpec
+from tandem.config.models import generator_dtype
 from tandem.data.batch import TrainBatch
 
 if TYPE_CHECKING:
@@ -76,21 +71,6 @@ def start_groups(makers: Mapping[str, Callable[[], Group]], parallel: bool) -> d
                 future.result().shutdown()
         raise errors[0]  # type: ignore[misc]
     return {kind: future.result() for kind, future in futures.items()}
-
-
-@dataclass
-class RuntimeSpec:
-    cluster: ClusterConfig
-    policy: PolicyConfig
-    generation: GenerationConfig
-    refit: RefitConfig
-    with_reference: bool = False
-    with_generators: bool = True
-    total_steps: int | None = None
-    """Optimizer steps of the run (the learning-rate schedule's horizon)."""
-    in_flight_refit: bool = False
-    """A refit may reach the generators while they generate (``algorithm.refit_mode``): each
-    generator actor takes two calls at once and lets the refit in between two decode steps."""
 
 
 @dataclass
