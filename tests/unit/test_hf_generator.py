@@ -5,8 +5,9 @@ import torch
 from safetensors.torch import load_file
 
 from tandem.assets import DEFAULT_MODEL_DIR
+from tandem.attention import CPU_GQA_SDPA
 from tandem.config.models import GenerationConfig, RefitConfig, SamplingConfig
-from tandem.generation import SamplingParams, group_rollouts, make_generator
+from tandem.generation import SamplingParams, group_rollouts, hf_generator, make_generator
 from tandem.generation.hf_generator import HfGenerator, filter_logits
 from tandem.generation.kv_cache import GrowingLayer
 from tandem.weight_sync import make_receiver, make_sender, metadata_of
@@ -221,10 +222,77 @@ def test_a_prompt_is_prefilled_once_for_its_samples(generator: HfGenerator) -> N
     finally:
         hook.remove()
     assert rows[0] == 3  # three distinct prompts
-    assert set(rows[1:]) == {16} and len(rows) >= 2
+    assert rows[1] == 16 and len(rows) >= 2  # then every row (fewer once some have stopped)
     # the decode writes its KV cache in place (generation.kv_cache), every step the same one
     assert all(isinstance(layer, GrowingLayer) for layer in caches[0].layers)  # type: ignore[attr-defined]
     assert all(cache is caches[0] for cache in caches)
     for r in rollouts:
         expected = _direct_logprobs(generator, r.prompt_token_ids, r.response_token_ids)
         assert torch.allclose(torch.tensor(r.response_logprobs), expected, atol=1e-5)
+
+
+def test_grouped_heads_are_attended_in_place_on_cpu(
+    generator: HfGenerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded model has 2 key/value heads for 4 query heads. transformers' sdpa copies
+    them per query head whenever a mask is given (every step of a left-padded decode); the
+    generator's attention on a CPU reads them in place, with the tokens and logprobs of the
+    copying path."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    copies = 0
+    repeat_kv = sdpa.repeat_kv
+
+    def counted(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
+        nonlocal copies
+        copies += 1
+        return repeat_kv(hidden, n_rep)
+
+    monkeypatch.setattr(sdpa, "repeat_kv", counted)
+    ids = _prompt_ids(generator)  # three lengths: padded, so every step has a mask
+    params = SamplingParams(temperature=1.0, max_tokens=8, n=3, seed=5)
+    assert generator.model.config.num_key_value_heads < generator.model.config.num_attention_heads
+    in_place = generator.generate(ids, params)
+    assert copies == 0
+    generator.model.set_attn_implementation("sdpa")
+    try:
+        copied = generator.generate(ids, params)
+    finally:
+        generator.model.set_attn_implementation(CPU_GQA_SDPA)
+    assert copies > 0  # the reference did take transformers' copying path
+    assert [r.response_token_ids for r in in_place] == [r.response_token_ids for r in copied]
+    for a, b in zip(in_place, copied, strict=True):
+        assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-6)
+
+
+def test_stopped_rows_leave_the_decode_with_the_same_samples(
+    generator: HfGenerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a quarter of the rows has stopped, the CPU decode computes only the others
+    (``COMPACT_AT``): the same tokens, logprobs and finish reasons as a decode that keeps
+    every row to the end, and the logprobs are the model's own."""
+    ids = _prompt_ids(generator)
+    params = SamplingParams(temperature=1.0, max_tokens=12, n=8, seed=2)
+    rows: list[int] = []
+
+    def record(_module: object, _args: object, kwargs: dict) -> None:
+        rows.append(kwargs["input_ids"].shape[0])
+
+    hook = generator.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        compacted = generator.generate(ids, params)
+        compacted_rows, rows[:] = list(rows), []
+        monkeypatch.setattr(hf_generator, "COMPACT_AT", 0.0)
+        whole = generator.generate(ids, params)
+    finally:
+        hook.remove()
+    assert set(rows[1:]) == {24}  # every row to the end
+    assert compacted_rows[1] == 24 and min(compacted_rows[1:]) < 18  # shrank past 3/4
+    assert compacted_rows[1:] == sorted(compacted_rows[1:], reverse=True)
+    assert [r.response_token_ids for r in compacted] == [r.response_token_ids for r in whole]
+    assert [r.finish_reason for r in compacted] == [r.finish_reason for r in whole]
+    assert len({len(r.response_token_ids) for r in compacted}) > 2  # ragged
+    for c, w in zip(compacted, whole, strict=True):
+        assert c.response_logprobs == pytest.approx(w.response_logprobs, abs=1e-5)
+        direct = _direct_logprobs(generator, c.prompt_token_ids, c.response_token_ids)
+        assert c.response_logprobs == pytest.approx(direct.tolist(), abs=1e-5)

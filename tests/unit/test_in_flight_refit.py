@@ -72,3 +72,32 @@ def test_an_update_waiting_at_the_gate_goes_before_the_next_step() -> None:
 def _update(gate: WeightGate, order: list[str]) -> None:
     with gate.update(version=7):
         order.append("update")
+
+
+def test_weights_swapped_after_stopped_rows_left_the_decode() -> None:
+    """The refit lands once the decode has dropped its stopped rows (``COMPACT_AT``): the
+    rows still decoding are prefilled again with the new weights and go on from there."""
+    gen, reference = _hf(), _hf()
+    new = perturbed(seed=2)
+    ids = [gen.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    params = SamplingParams(temperature=1.0, max_tokens=8, n=8, seed=5)
+    calls: list[tuple[int, int]] = []  # (rows, tokens) of each model call
+
+    def record(_module: object, _args: object, kwargs: dict) -> None:
+        calls.append(tuple(kwargs["input_ids"].shape))  # type: ignore[arg-type]
+
+    def refit() -> None:
+        with gen.gate.update(version=1):
+            gen.load_weights(iter(new.items()))
+
+    hook = gen.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        rollouts = generate_with_refit_after(gen, (gen, "_sample"), 3, refit, ids, params)
+    finally:
+        hook.remove()
+    prefills = [rows for rows, tokens in calls if tokens > 1]
+    assert len(prefills) == 2 and prefills[1] < 24  # the second one: the rows left, new weights
+    assert max(len(r.response_token_ids) for r in rollouts) > 3
+    new_reference = _hf()
+    new_reference.load_weights(iter(new.items()))
+    check_versions_and_logprobs(rollouts, 3, reference.model, new_reference.model, atol=1e-4)

@@ -36,6 +36,25 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+COMPACT_AT = 0.75
+"""The CPU decode drops its stopped rows (their KV cache with them) once the rows still
+decoding are this fraction of the batch or fewer: each step then computes only those. The
+GPU's decode replays one CUDA graph of the whole batch and keeps it."""
+
+Decoder = tuple[
+    torch.Tensor,
+    Callable[[torch.Tensor, int], torch.Tensor],
+    Callable[[torch.Tensor], None] | None,
+]
+"""A decode under way: the next logits, ``advance(token, step)`` (feeds the batch's tokens,
+returns the next logits) and ``keep(index)`` (decode only those rows from now on; None where
+the batch cannot shrink)."""
+
+
+def _pick(tensor: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """``tensor``'s rows ``rows`` (all of them for None)."""
+    return tensor if rows is None else tensor[rows]
+
 
 @dataclass
 class _Sample:
@@ -131,7 +150,12 @@ class HfGenerator(Generator):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} (got {dtype!r})")
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
+        from tandem.attention import register_cpu_gqa_sdpa
+
+        attention = register_cpu_gqa_sdpa() if self.device.type == "cpu" else None
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=_DTYPES[dtype], attn_implementation=attention
+        )
         # The parameters back to back in one allocation, as a trainer's after onload(): a refit
         # then copies runs of them at once (tensors.copies).
         params = list(self.model.parameters())
@@ -207,20 +231,29 @@ class HfGenerator(Generator):
         stopped = torch.zeros(size, dtype=torch.bool, device=self.device)
         stop_cut: dict[int, str] = {}
         versions: list[int] = []  # of the weights each step ran with
+        rows: torch.Tensor | None = None  # the rows still decoded (None: all), in batch order
         token = tokens[:, 0]
         for step in range(steps):
             with self.gate.step() as version:  # a refit lands between two of these
                 if not versions or version != versions[-1]:  # the start, or new weights
-                    logits, advance = self._prefill(input_ids, valid, tokens[:, :step], steps)
+                    logits, advance, keep = self._prefill(
+                        _pick(input_ids, rows),
+                        _pick(valid, rows),
+                        _pick(tokens, rows)[:, :step],
+                        steps,
+                    )
                     first = step
                 else:
-                    logits = advance(token, step - 1 - first)
+                    logits = advance(_pick(token, rows), step - 1 - first)
                 logits = logits.float()
-                token = self._sample(logits, keys, step, params)
+                token = self._sample(logits, _pick(keys, rows), step, params)
             versions.append(version)
+            logprob = torch.log_softmax(logits, dim=-1).gather(-1, token[:, None])[:, 0]
+            if rows is not None:  # back to the whole batch; the rows left out have stopped
+                token = torch.full_like(lengths, self.pad_token_id).index_copy_(0, rows, token)
+                logprob = logprobs.new_zeros(size).index_copy_(0, rows, logprob)
             active = ~stopped
             tokens[:, step] = torch.where(active, token, self.pad_token_id)
-            logprob = torch.log_softmax(logits, dim=-1).gather(-1, token[:, None])[:, 0]
             logprobs[:, step] = torch.where(active, logprob, 0.0)
             lengths += active
             stopped |= active & torch.isin(token, eos)
@@ -228,14 +261,20 @@ class HfGenerator(Generator):
                 self._cut_stop_strings(tokens, lengths, stopped, stop_cut, params.stop)
             if step + 1 == steps or bool(stopped.all()):
                 break
+            if keep is not None:  # drop the stopped rows once they are a quarter of the batch
+                live = ~_pick(stopped, rows)
+                if int(live.sum()) <= len(live) * COMPACT_AT:
+                    index = live.nonzero().flatten()
+                    keep(index)
+                    rows = _pick(torch.arange(size, device=self.device), rows)[index]
         return self._samples(tokens, logprobs, lengths, stopped, stop_cut, versions)
 
     def _prefill(
         self, input_ids: torch.Tensor, valid: torch.Tensor, generated: torch.Tensor, steps: int
-    ) -> tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
+    ) -> Decoder:
         """Prefill the prompts and the ``generated`` tokens so far (after new weights landed:
-        the KV cache is recomputed with them); the decoder's next logits and its ``advance``
-        (steps counted from here)."""
+        the KV cache is recomputed with them): the decode from here (its steps counted from
+        here)."""
         width, done = input_ids.shape[1], generated.shape[1]
         if done:
             input_ids = torch.cat([input_ids, generated], dim=1)
@@ -247,12 +286,11 @@ class HfGenerator(Generator):
 
     def _dynamic_decoder(
         self, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor, steps: int
-    ) -> tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
+    ) -> Decoder:
         """Prefill, then one model call per token over a cache that grows in place
-        (``kv_cache.growing_cache``; transformers' dynamic cache where that has none): the first
-        token's logits and the function that feeds step ``step``'s token and returns
-        the next logits. Rows that repeat a prompt (``n`` samples of it) are prefilled once and
-        the cache and logits copied to each."""
+        (``kv_cache.growing_cache``; transformers' dynamic cache where that has none). Rows that
+        repeat a prompt (``n`` samples of it) are prefilled once and the cache and logits copied
+        to each; ``keep`` selects rows of the cache, the mask and the positions."""
         from tandem.generation.kv_cache import growing_cache
 
         size, width = input_ids.shape
@@ -272,13 +310,14 @@ class HfGenerator(Generator):
         )
         out.past_key_values.batch_select_indices(inverse)
         state = {"cache": out.past_key_values, "position": position_ids[:, -1:]}
+        state["mask"] = attention_mask
 
         def advance(token: torch.Tensor, step: int) -> torch.Tensor:
-            attention_mask[:, width + step] = 1
+            state["mask"][:, width + step] = 1
             state["position"] = state["position"] + 1
             out = self.model(
                 input_ids=token[:, None],
-                attention_mask=attention_mask[:, : width + step + 1],
+                attention_mask=state["mask"][:, : width + step + 1],
                 position_ids=state["position"],
                 past_key_values=state["cache"],
                 use_cache=True,
@@ -286,11 +325,15 @@ class HfGenerator(Generator):
             state["cache"] = out.past_key_values
             return out.logits[:, -1, :]
 
-        return out.logits[inverse, -1, :], advance
+        def keep(index: torch.Tensor) -> None:
+            state["cache"].batch_select_indices(index)
+            state["mask"], state["position"] = state["mask"][index], state["position"][index]
+
+        return out.logits[inverse, -1, :], advance, keep
 
     def _static_decoder(
         self, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor, steps: int
-    ) -> tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
+    ) -> Decoder:
         """As ``_dynamic_decoder`` over a static cache of ``width + steps`` positions with
         prepared boolean masks (a key is seen when it is a real token at or before the query; a
         padding query sees itself, so no row is empty). Every decode step reads the same input
@@ -345,7 +388,7 @@ class HfGenerator(Generator):
                 return graph["logits"].clone()
             return forward()
 
-        return out.logits[:, -1, :], advance
+        return out.logits[:, -1, :], advance, None
 
     def _cache_position(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """``cache_position`` for the transformers releases whose models still take it."""
