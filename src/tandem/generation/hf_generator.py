@@ -150,12 +150,11 @@ class HfGenerator(Generator):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} (got {dtype!r})")
         self.device = torch.device(device)
-        from tandem.attention import register_cpu_gqa_sdpa
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
+        if self.device.type == "cpu" and self.model.config._attn_implementation == "sdpa":
+            from tandem.attention import register_cpu_gqa_sdpa
 
-        attention = register_cpu_gqa_sdpa() if self.device.type == "cpu" else None
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=_DTYPES[dtype], attn_implementation=attention
-        )
+            self.model.set_attn_implementation(register_cpu_gqa_sdpa())
         # The parameters back to back in one allocation, as a trainer's after onload(): a refit
         # then copies runs of them at once (tensors.copies).
         params = list(self.model.parameters())
