@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
+from tandem.generation.packed_linear import pack_linears
 from tandem.tensors import TargetRuns, device_copies
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,8 @@ class HfGenerator(Generator):
         for param, copy in zip(params, copies, strict=True):
             torch.utils.swap_tensors(param, nn.Parameter(copy, requires_grad=param.requires_grad))
         self.model.to(self.device).eval()  # type: ignore[arg-type]  # the buffers
+        # on a CPU the larger linear layers compute through oneDNN over packed weights
+        self._packed = pack_linears(self.model) if self.device.type == "cpu" else []
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         eos = self.model.generation_config.eos_token_id
         if eos is None:
@@ -458,6 +461,7 @@ class HfGenerator(Generator):
         state = self.model.state_dict()
         for name, tensor in stream:
             _target(state, name, tensor).copy_(tensor)
+        self._repack()
         # no prefix cache to reset: every generate call prefills from scratch
 
     @torch.no_grad()
@@ -473,6 +477,12 @@ class HfGenerator(Generator):
             targets = TargetRuns([_target(state, meta.name, meta) for meta in spec.plan.tensors])
             self._refit_targets = targets
         make_receiver(spec, self.device, rank=first_rank).copy_into(targets)
+        self._repack()
+
+    def _repack(self) -> None:
+        """The packed linear layers follow their weights (after a refit wrote them)."""
+        for layer in self._packed:
+            layer.repack()
 
     def shutdown(self) -> None:
         del self.model
