@@ -136,7 +136,10 @@ class Runtime:
             refit = refit.model_copy(update={"transport": cluster.placement})
         placement = make_placement(cluster)
         threads = str(actor_threads(cluster))
-        env_vars = {"OMP_NUM_THREADS": threads}
+        # no progress bars from the actors (transformers' "Loading weights", one per actor):
+        # Ray's log monitor forwards a bar's line once it ends, so they reached the terminal
+        # late, some after the run's last step; the driver shows the run's own progress
+        env_vars = {"OMP_NUM_THREADS": threads, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
         uses_gpus = any(slot.num_gpus > 0 for slot in placement.trainer_bundles)
         groups = {
             "trainer": lambda: WorkerGroup(
