@@ -28,20 +28,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from ceilings import emit
 from e2e_cpu import WORKLOADS as E2E_WORKLOADS
 
 from tandem.assets import QWEN2_SHAPES
+from tandem.generation.base import Generator
 
-WORKLOADS = {
+WORKLOADS: dict[str, dict[str, Any]] = {
     "long": {"shape": E2E_WORKLOADS["long"]["model"], "prompts": 8, "n": 8, "tokens": 128},
     "0.5b": {"shape": QWEN2_SHAPES["0.5b"], "prompts": 4, "n": 8, "tokens": 64},
 }
 VARIANTS = ("hf_packed", "hf_plain", "vllm")
 
 
-def _generator(variant: str, model: Path, tokens: int):  # type: ignore[no-untyped-def]
+def _generator(variant: str, model: Path, tokens: int) -> Generator:
     if variant == "vllm":
         from tandem.config.models import GenerationConfig
         from tandem.generation.vllm_generator import VllmGenerator
