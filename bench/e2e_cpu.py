@@ -84,7 +84,9 @@ def trl_python(root: Path) -> Path:
     pins = [f"torch=={version('torch')}", f"transformers=={version('transformers')}"]
     packages = [*pins, f"trl=={TRL_VERSION}", "datasets", "accelerate"]
     subprocess.run(
-        ["uv", "pip", "install", "-q", "--python", str(python), *packages], check=True, env=env
+        ["uv", "pip", "install", "-q", "--compile-bytecode", "--python", str(python), *packages],
+        check=True,
+        env=env,
     )
     return python
 
