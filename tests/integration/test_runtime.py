@@ -42,6 +42,7 @@ def test_generate_fans_out_and_a_killed_generator_is_named(
     runtime = Runtime.start(_spec(num_generators=2))
     group_id = runtime.placement.placement_group.id.hex()
     trainer_actors = list(runtime.trainers.actors)
+    assert runtime.engine_shutdown is False  # an engine on a CPU ends with its actor's kill
     try:
         # 5 prompts over 2 engines (3 + 2): rollouts come back in prompt order, indices global
         rollouts = runtime.generate(prompts, GREEDY)
@@ -56,6 +57,7 @@ def test_generate_fans_out_and_a_killed_generator_is_named(
         message = "generator worker rank 1 failed in generate_timed(): actor died"
         assert str(err.value).startswith(message)
     finally:
+        runtime.engine_shutdown = True  # as on GPUs: the engines first, one of them dead
         runtime.close()  # must not stop at the dead generator
     assert "generator worker rank 1 failed in shutdown()" in caplog.text
     assert placement_group_table()[group_id]["state"] == "REMOVED"

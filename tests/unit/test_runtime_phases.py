@@ -226,3 +226,31 @@ def test_start_groups_overlaps_the_kinds_and_cleans_up_after_a_failure(parallel:
     with pytest.raises(ValueError, match="gen failed"):
         start_groups(makers, parallel)
     assert shut == ["trainer"]
+
+
+@pytest.mark.parametrize("engine_shutdown", [True, False])
+def test_close_shuts_the_engines_down_first_only_where_asked(engine_shutdown: bool) -> None:
+    """``close()`` kills the groups; the engines' own shutdown comes first where asked (an engine
+    with processes of its own, one on a GPU), not where the kill ends it (vLLM's shutdown of an
+    in-process engine spends ~1 s collecting garbage)."""
+    from tandem.cluster.groups import LocalGroup
+
+    events: list[str] = []
+
+    class Engine:
+        def shutdown(self) -> None:
+            events.append("engine shutdown")
+
+    class Tracked(LocalGroup):
+        def shutdown(self) -> None:
+            events.append(f"kill {self.kind}")
+            super().shutdown()
+
+    runtime = Runtime(
+        Tracked([object()], "trainer"),
+        Tracked([Engine()], "generator"),
+        engine_shutdown=engine_shutdown,
+    )
+    runtime.close()
+    expected = ["engine shutdown"] if engine_shutdown else []
+    assert events == [*expected, "kill generator", "kill trainer"]
