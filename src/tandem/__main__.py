@@ -1,5 +1,3 @@
-import sys
+from tandem.cli import entry
 
-from tandem.cli import main
-
-sys.exit(main())
+entry()

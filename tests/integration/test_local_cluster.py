@@ -6,6 +6,7 @@ are never used; on a 2-core machine their imports took 3 CPU-seconds of the acto
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -65,3 +66,42 @@ def test_a_local_cluster_starts_no_idle_workers() -> None:
         driver.wait(timeout=60)
     assert raylets, "the driver started no raylet: the listing looked at nothing"
     assert seen == [], f"idle workers started in the driver's environment: {seen}"
+
+
+STOPPING_DRIVER = """
+import json
+import ray
+from tandem.cluster.ray_cluster import init_ray, shutdown_ray
+init_ray(num_cpus=2)
+node = ray._private.worker._global_node
+pids = {kind: [info.process.pid for info in infos] for kind, infos in node.all_processes.items()}
+shutdown_ray()
+print(json.dumps({"pids": pids, "up": ray.is_initialized()}), flush=True)
+"""
+
+
+def test_shutdown_ray_stops_every_process_of_the_cluster() -> None:
+    """``shutdown_ray`` (what the ``tandem`` command calls at its end) kills the autoscaler
+    monitor itself before Ray's shutdown: the monitor and every other process of the cluster
+    are gone when it returns."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-c", STOPPING_DRIVER],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["up"] is False
+    assert {"monitor", "raylet", "gcs_server"} <= set(report["pids"]), report
+    alive = []
+    for kind, pids in report["pids"].items():
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(kind)
+            except psutil.NoSuchProcess:
+                pass
+    assert alive == [], f"left running: {alive}"
