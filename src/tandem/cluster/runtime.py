@@ -216,13 +216,13 @@ class Runtime:
         """Shut the engines down, then the workers, then free the placement. A worker that
         died (or whose shutdown fails) does not keep the others and the bundles held."""
         try:
-            if self.generators is not None and self.engine_shutdown:
-                try:
-                    self.generators.run("shutdown")
-                except WorkerError as err:
-                    # killing the actor below ends its engine with its process anyway
-                    logger.warning("generator shutdown failed; killing the actors: %s", err)
             if self.generators is not None:
+                if self.engine_shutdown:
+                    try:
+                        self.generators.run("shutdown")
+                    except WorkerError as err:
+                        # killing the actor below ends its engine with its process anyway
+                        logger.warning("generator shutdown failed; killing the actors: %s", err)
                 self.generators.shutdown()
         finally:
             try:
