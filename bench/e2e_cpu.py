@@ -13,7 +13,8 @@ Each round runs ``tandem grpo`` (its CLI, the main job's recipe with the workloa
 isolated actor environments: what a user runs) and then ``trl_peer.py`` in a scratch venv the
 bench builds with uv (TRL 1.16 beside the same torch and transformers as tandem's lock; TRL is
 not a tandem dependency). A run's figure is the median of its steps after the first; one JSON
-line per run, then per workload the medians over rounds, their spread and the ratio.
+line per run (tandem's with the medians of its generate, train and refit parts), then per
+workload the medians over rounds, their spread and the ratio.
 
     ./run.sh python bench/e2e_cpu.py [--workloads short main long] [--rounds 3] [--backend hf]
 """
@@ -109,8 +110,11 @@ def prompts_file(model: Path, prompts: int, steps: int, root: Path) -> Path:
     return path
 
 
-def run_tandem(name: str, model: Path, root: Path, index: int, backend: str) -> tuple[float, float]:
-    """(median step, whole process seconds) of ``tandem grpo`` on the workload."""
+def run_tandem(
+    name: str, model: Path, root: Path, index: int, backend: str
+) -> tuple[float, float, dict[str, float]]:
+    """(median step, whole process seconds, median seconds of the step's parts) of ``tandem
+    grpo`` on the workload."""
     work = WORKLOADS[name]
     run_dir = root / "tandem-runs"
     shutil.rmtree(run_dir / f"{name}-{index}", ignore_errors=True)
@@ -143,11 +147,17 @@ def run_tandem(name: str, model: Path, root: Path, index: int, backend: str) -> 
     if out.returncode != 0:
         raise RuntimeError(f"tandem grpo failed ({out.returncode}):\n{out.stderr[-3000:]}")
     lines = (run_dir / f"{name}-{index}" / "metrics.jsonl").read_text().splitlines()
-    steps = [json.loads(line)["timing/step_s"] for line in lines if line]
-    return statistics.median(steps[1:]), whole
+    rows = [json.loads(line) for line in lines if line][1:]
+    parts = {
+        part: round(statistics.median(row[f"timing/{part}_s"] for row in rows), 4)
+        for part in ("generate", "train", "refit")
+    }
+    return statistics.median(row["timing/step_s"] for row in rows), whole, parts
 
 
-def run_trl(name: str, model: Path, prompts: Path, python: Path, index: int) -> tuple[float, float]:
+def run_trl(
+    name: str, model: Path, prompts: Path, python: Path, index: int
+) -> tuple[float, float, dict[str, float]]:
     work = WORKLOADS[name]
     command = [
         str(python),
@@ -172,7 +182,7 @@ def run_trl(name: str, model: Path, prompts: Path, python: Path, index: int) -> 
     ]
     if out.returncode != 0 or not steps:
         raise RuntimeError(f"TRL run failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return statistics.median(steps[1:]), whole
+    return statistics.median(steps[1:]), whole, {}
 
 
 def spread(values: list[float]) -> list[float]:
@@ -191,12 +201,12 @@ def main() -> None:
     for name in args.workloads:
         model = model_path(name, root)
         prompts = prompts_file(model, WORKLOADS[name]["prompts"], WORKLOADS[name]["steps"], root)
-        runs: dict[str, list[tuple[float, float]]] = {"tandem": [], "trl": []}
+        runs: dict[str, list[tuple[float, float, dict[str, float]]]] = {"tandem": [], "trl": []}
         for index in range(args.rounds):
             runs["tandem"].append(run_tandem(name, model, root, index, args.backend))
             runs["trl"].append(run_trl(name, model, prompts, python, index))
             for side, values in runs.items():
-                step, whole = values[-1]
+                step, whole, parts = values[-1]
                 emit(
                     {
                         "figure": "e2e_cpu_run",
@@ -205,6 +215,7 @@ def main() -> None:
                         "round": index,
                         "step_s": round(step, 4),
                         "process_s": round(whole, 2),
+                        **({"parts_s": parts} if parts else {}),
                     }
                 )
         step = {side: statistics.median(v[0] for v in values) for side, values in runs.items()}
