@@ -6,7 +6,8 @@ kernel after loading and frees the weight, so the generator keeps those weights 
 layers' size again in memory), ``model.load_weights`` copies into them and every GEMM is packed
 anew (``CpuGemms``). Everything else (GPUs, quantised models, other layer kinds) loads with the
 worker's ``reload_weights(weights_iterator=...)``, vLLM's layerwise reload, which re-creates and
-re-processes every layer: for the embedded model 15 ms of Python against 5 ms in place.
+re-processes every layer: a refit of the embedded model takes 17 ms through it, 9.5 ms in place
+(``bench/vllm_refit.py``; docs/architecture.md, "vLLM's receive path").
 
 FP8 KV-cache scales (``model.layers.{i}.self_attn.attn.{q,k,v}_scale``, from
 ``tandem.quant.append_kv_scales``) are taken out of the stream and written into the attention
