@@ -229,8 +229,8 @@ def test_load_weights_updates_the_engine(vllm_generator, hf_generator, original)
 def test_cpu_refits_load_in_place_like_the_reload(vllm_generator, hf_generator, original) -> None:
     """On the CPU the embedded model loads in place (its linear layers' weights kept, the GEMMs
     packed again): the same logprobs as transformers on the same weights, before and after a
-    load through vLLM's reload (which frees the weights again); a stream of one layer changes
-    that layer only, also as the first load after the reload."""
+    load through vLLM's reload; a stream of one layer changes that layer only, also as the first
+    load after vLLM's own packing freed the weights (a fresh engine's state)."""
     assert vllm_generator.llm.collective_rpc("tandem_loads_in_place") == [True]
     ids = _ids(hf_generator, PROMPTS)
 
