@@ -144,7 +144,9 @@ class Runtime:
         # Ray's log monitor forwards a bar's line once it ends, so they reached the terminal
         # late, some after the run's last step; the driver shows the run's own progress
         env_vars = {"OMP_NUM_THREADS": threads, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-        uses_gpus = any(slot.num_gpus > 0 for slot in placement.trainer_bundles)
+        colocated_gpus = cluster.placement == "colocated" and any(
+            slot.num_gpus > 0 for slot in placement.trainer_bundles
+        )
         groups = {
             "trainer": lambda: WorkerGroup(
                 TrainerWorker,
@@ -178,9 +180,8 @@ class Runtime:
             )
         # Both kinds start at once (their processes, imports and model loads overlap), except
         # colocated on GPUs: vLLM sizes its KV cache from the memory it finds free at start.
-        parallel = not (cluster.placement == "colocated" and uses_gpus)
         try:
-            started = start_groups(groups, parallel)
+            started = start_groups(groups, parallel=not colocated_gpus)
         except BaseException:
             placement.remove()
             raise
@@ -188,7 +189,7 @@ class Runtime:
         runtime = cls(
             trainers,
             generators,
-            memory_phases=cluster.placement == "colocated" and uses_gpus,
+            memory_phases=colocated_gpus,
             discards_weights=spec.generation.sleep_level == 2,
             with_reference=spec.with_reference,
             on_close=placement.remove,
