@@ -237,7 +237,9 @@ def environments(config: GrpoConfig) -> Iterator[Any]:
         yield None
         return
     from tandem.cluster.env_pool import EnvironmentPool
+    from tandem.cluster.ray_cluster import init_ray
 
+    init_ray(config.cluster.address)  # started already unless the runtime is in this process
     pool = EnvironmentPool(
         env.name,
         env.kwargs,
@@ -264,7 +266,6 @@ def runtime_and_prompts(
     loads the tokenizer (transformers' import takes seconds), which goes on while the actors
     start. Ray starts in this thread: started from another, its processes die with that thread.
     Before here the driver imports nothing that imports torch."""
-    from tandem.cluster.ray_cluster import init_ray
     from tandem.data.prompts import PromptSource, load_prompt_items, load_tokenizer
     from tandem.preflight import check_prompt_lengths
     from tandem.rewards import RewardScorer
@@ -278,7 +279,14 @@ def runtime_and_prompts(
     with scorer, ThreadPoolExecutor(max_workers=1) as pool:
         runtime_module = pool.submit(importlib.import_module, "tandem.cluster.runtime")
         tokenizer = pool.submit(load_tokenizer, config.policy.model_path)
-        init_ray(spec.cluster.address)
+        if spec.cluster.in_process:
+            # the workers import transformers here: not while that thread does (its lazy
+            # module is not safe to import from two threads at once)
+            tokenizer.result()
+        else:
+            from tandem.cluster.ray_cluster import init_ray
+
+            init_ray(spec.cluster.address)
         with runtime_module.result().Runtime.start(spec) as runtime:
             source = PromptSource(train, eval_items, tokenizer.result(), scorer, seed)
             check_prompt_lengths(source.longest_prompts(), context, config.generation)
@@ -363,6 +371,8 @@ def run_dpo(config: DpoConfig, resume: bool = False) -> list[dict[str, Any]]:
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer = pool.submit(load_tokenizer, config.policy.model_path)
+        if config.cluster.in_process:
+            tokenizer.result()  # not while the workers import transformers here
         with Runtime.start(spec) as runtime:
             exact_match = load_reward("exact_match")
             pairs = PromptSource(train, eval_pairs, tokenizer.result(), exact_match, algo.seed)

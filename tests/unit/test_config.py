@@ -85,3 +85,27 @@ def test_cli_config_errors_exit_nonzero_without_traceback(args: list[str], expec
     assert expected in result.stderr
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) <= 3
+
+
+def test_in_process_needs_one_trainer_one_generator_colocated_and_no_async() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            GrpoConfig,
+            None,
+            ["cluster.in_process=true", "cluster.num_generators=2", "cluster.placement=split"],
+        )
+    message = str(err.value)
+    assert "cluster.in_process=true needs" in message
+    assert "cluster.num_generators=1" in message and "cluster.placement=colocated" in message
+    assert "num_trainers" not in message  # only what is wrong is named
+    with pytest.raises(ConfigError, match=r"cluster\.in_process=false"):
+        load_config(
+            GrpoConfig,
+            None,
+            [
+                "cluster.in_process=true",
+                "algorithm.max_staleness=1",
+                "algorithm.rollout_correction=token_tis",
+            ],
+        )
+    assert load_config(GrpoConfig, None, ["cluster.in_process=true"]).cluster.in_process

@@ -1,4 +1,5 @@
-"""The runtime's memory phases, on CPU, with the real workers in this process (``LocalGroup``).
+"""The runtime's memory phases, on CPU, with the real workers in this process (``LocalGroup``,
+and the in-process runtime's ``InlineGroup`` with its refit by copy).
 
 On the CPU nothing physically moves, but ``PolicyTrainer`` refuses to compute while flagged
 offloaded, and the workers record what the runtime asked of them: the GRPO step, evaluation and
@@ -18,7 +19,8 @@ import torch
 from tandem.algorithms.grpo import evaluate, grpo_step
 from tandem.assets import DEFAULT_MODEL_DIR
 from tandem.cluster.actors import GeneratorWorker, TrainerWorker
-from tandem.cluster.groups import LocalGroup, WorkerError
+from tandem.cluster.groups import InlineGroup, LocalGroup, WorkerError
+from tandem.cluster.in_process import InProcessRuntime
 from tandem.cluster.runtime import Runtime
 from tandem.config import GrpoConfig, load_config
 from tandem.data.prompts import make_prompt_source
@@ -78,7 +80,9 @@ def _config(tmp_path: Path, *overrides: str) -> GrpoConfig:
     )
 
 
-def _runtime(config: GrpoConfig, log: list[str], drop_weights: bool) -> Runtime:
+def _runtime(
+    config: GrpoConfig, log: list[str], drop_weights: bool, in_process: bool = False
+) -> Runtime:
     trainer = RecordingTrainer(
         log,
         policy=config.policy,
@@ -89,9 +93,10 @@ def _runtime(config: GrpoConfig, log: list[str], drop_weights: bool) -> Runtime:
     generator = RecordingGenerator(
         log, drop_weights, generation=config.generation, model_path=str(DEFAULT_MODEL_DIR)
     )
-    return Runtime(
-        LocalGroup([trainer], "trainer"),
-        LocalGroup([generator], "generator"),
+    cls, group = (InProcessRuntime, InlineGroup) if in_process else (Runtime, LocalGroup)
+    return cls(
+        group([trainer], "trainer"),
+        group([generator], "generator"),
         memory_phases=True,
         discards_weights=drop_weights,
         with_reference=True,
@@ -114,16 +119,17 @@ STEP_PHASES = [
 ]
 
 
+@pytest.mark.parametrize("in_process", [False, True], ids=["threads", "in-process"])
 @pytest.mark.parametrize("drop_weights", [False, True], ids=["sleep-keeps", "sleep-drops"])
 def test_grpo_steps_evaluation_and_checkpoints_meet_no_offloaded_trainer(
-    tmp_path: Path, drop_weights: bool
+    tmp_path: Path, drop_weights: bool, in_process: bool
 ) -> None:
     config = _config(tmp_path)
     source = make_prompt_source(
         config.data, config.policy.model_path, load_reward(config.data.reward), seed=0
     )
     log: list[str] = []
-    with _runtime(config, log, drop_weights) as runtime:
+    with _runtime(config, log, drop_weights, in_process) as runtime:
         trainer = runtime.trainers.workers[0]  # type: ignore[attr-defined]
         for step in (1, 2, 3):
             metrics = grpo_step(

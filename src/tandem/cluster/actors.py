@@ -94,6 +94,10 @@ class TrainerWorker:
         """Stream the weights (a collective over trainer ranks; rank 0 sends)."""
         return self.weights.send()
 
+    def weight_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What ``send_weights`` sends, for a generator in this process (``cluster.in_process``)."""
+        return self.weights.stream()
+
     def save_checkpoint(self, path: str) -> None:
         self.policy.save_checkpoint(Path(path))
 
@@ -194,6 +198,18 @@ class GeneratorWorker:
             # threads inside the gate: no decode step runs meanwhile (MKL's count is global)
             with self.generator.gate.update(version), threads:
                 self.generator.receive_weights(spec, first_rank=self.first_receiver_rank)
+        finally:
+            self._end_work()
+
+    def load_weights(
+        self, stream: Iterator[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
+        """``receive_weights`` of a stream in this process (``TrainerWorker.weight_stream``):
+        a copy, no transport."""
+        self._begin_work()
+        try:
+            with self.generator.gate.update(version):
+                self.generator.load_weights(stream)
         finally:
             self._end_work()
 

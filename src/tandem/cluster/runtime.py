@@ -34,7 +34,7 @@ import torch
 
 from tandem.cluster.groups import Group, WorkerError, get_together
 from tandem.cluster.spec import RuntimeSpec
-from tandem.config.models import generator_dtype
+from tandem.config.models import GenerationConfig, generator_dtype
 from tandem.data.batch import TrainBatch
 
 if TYPE_CHECKING:
@@ -71,6 +71,14 @@ def start_groups(makers: Mapping[str, Callable[[], Group]], parallel: bool) -> d
                 future.result().shutdown()
         raise errors[0]  # type: ignore[misc]
     return {kind: future.result() for kind, future in futures.items()}
+
+
+def resolved_generation(spec: RuntimeSpec) -> GenerationConfig:
+    """``spec.generation`` with its dtype resolved: the generators compute in the trainer's
+    compute dtype unless told otherwise."""
+    return spec.generation.model_copy(
+        update={"dtype": generator_dtype(spec.policy, spec.generation)}
+    )
 
 
 @dataclass
@@ -123,17 +131,19 @@ class Runtime:
 
     @classmethod
     def start(cls, spec: RuntimeSpec) -> Runtime:
-        """Start (or join) Ray, place the actors as ``spec.cluster`` says and build them."""
+        """Start (or join) Ray, place the actors as ``spec.cluster`` says and build them; with
+        ``cluster.in_process`` build the workers in this process instead (``in_process``)."""
+        if spec.cluster.in_process:
+            from tandem.cluster.in_process import InProcessRuntime
+
+            return InProcessRuntime.start(spec)
         from tandem.cluster.actors import GeneratorWorker, TrainerWorker
         from tandem.cluster.placement import actor_threads, make_placement
         from tandem.cluster.ray_cluster import init_ray
         from tandem.cluster.worker_group import WorkerGroup
 
         cluster = spec.cluster
-        # the generators compute in the trainer's compute dtype unless told otherwise
-        generation = spec.generation.model_copy(
-            update={"dtype": generator_dtype(spec.policy, spec.generation)}
-        )
+        generation = resolved_generation(spec)
         init_ray(address=cluster.address)
         refit = spec.refit
         if refit.transport == "auto":

@@ -43,6 +43,27 @@ class ClusterConfig(Section):
     """Longest wait for one call on the trainers or generators (a generate, a train step, a
     checkpoint); past it the run stops with an error naming the actor and the method. None
     waits forever."""
+    in_process: bool = False
+    """Run the trainer and the generator in the driver's process, on its thread, instead of in
+    Ray actors: no Ray, no actor environments (this interpreter must hold the trainer's and
+    the generator's dependencies), a refit is a copy from one to the other. One trainer, one
+    generator, colocated; for small models on one machine, where separate processes cost more
+    than they give (docs/performance.md)."""
+
+    @model_validator(mode="after")
+    def _in_process_alone(self) -> ClusterConfig:
+        if not self.in_process:
+            return self
+        problems = [
+            (self.num_trainers != 1, "cluster.num_trainers=1"),
+            (self.num_generators != 1, "cluster.num_generators=1"),
+            (self.placement != "colocated", "cluster.placement=colocated"),
+            (self.address is not None, "no cluster.address (there is no Ray cluster to join)"),
+        ]
+        needs = [fix for bad, fix in problems if bad]
+        if needs:
+            raise ValueError("cluster.in_process=true needs " + ", ".join(needs))
+        return self
 
 
 class OptimizerConfig(Section):
@@ -397,6 +418,10 @@ class GrpoConfig(Section):
             (algo.rollout_correction == "none", "an algorithm.rollout_correction (e.g. token_tis)"),
             (algo.refill_rounds > 0, "algorithm.refill_rounds=0 (refills are not pipelined)"),
             (self.environment is not None, "no environment section (episodes are not pipelined)"),
+            (
+                self.cluster.in_process,
+                "cluster.in_process=false (one thread does one thing at a time)",
+            ),
         ]
         needs = [fix for bad, fix in problems if bad]
         if needs:

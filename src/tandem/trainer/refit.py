@@ -80,18 +80,23 @@ class WeightSource:
         live = [tensor for _, tensor in self.policy.iter_weights()] if self._live else []
         return self._sender.prepare(metadata_of(self._stream(metas)), live_tensors=live)
 
+    def stream(self) -> WeightStream:
+        """What a refit sends, as a stream (every rank iterates it; rank 0 yields): for a
+        receiver in this process, which loads it without a transport."""
+        return self._stream(self.policy.iter_weights(self.dtype))
+
     def send(self) -> dict[str, float]:
         """Send the prepared refit; rank 0 returns its ``SendStats.as_dict()``, other ranks take
         part in the gathers and return {}."""
         if self.policy.rank != 0:
-            for _ in self._stream(self.policy.iter_weights(self.dtype)):
+            for _ in self.stream():
                 pass
             return {}
         if self._sender is None:
             raise RuntimeError("send() without prepare(); call prepare() first")
         if self._live:  # one rank: no gathers to take part in
             return self._sender.send().as_dict()
-        return self._sender.send(self._stream(self.policy.iter_weights(self.dtype))).as_dict()
+        return self._sender.send(self.stream()).as_dict()
 
     def close(self) -> None:
         if self._sender is not None:

