@@ -14,9 +14,12 @@ isolated actor environments: what a user runs) and then ``trl_peer.py`` in a scr
 bench builds with uv (TRL 1.16 beside the same torch and transformers as tandem's lock; TRL is
 not a tandem dependency). A run's figure is the median of its steps after the first; one JSON
 line per run (tandem's with the medians of its generate, train and refit parts), then per
-workload the medians over rounds, their spread and the ratio.
+workload the medians over rounds, their spread and the ratio. ``--in-process`` adds a third
+run per round, ``tandem grpo cluster.in_process=true`` (trainer and generator in the driver's
+process, no Ray), with its own ratio to TRL.
 
     ./run.sh python bench/e2e_cpu.py [--workloads short main long] [--rounds 3] [--backend hf]
+        [--in-process]
 """
 
 from __future__ import annotations
@@ -111,10 +114,10 @@ def prompts_file(model: Path, prompts: int, steps: int, root: Path) -> Path:
 
 
 def run_tandem(
-    name: str, model: Path, root: Path, index: int, backend: str
+    name: str, model: Path, root: Path, index: int, backend: str, in_process: bool = False
 ) -> tuple[float, float, dict[str, float]]:
     """(median step, whole process seconds, median seconds of the step's parts) of ``tandem
-    grpo`` on the workload."""
+    grpo`` on the workload (``in_process``: with ``cluster.in_process=true``)."""
     work = WORKLOADS[name]
     run_dir = root / "tandem-runs"
     shutil.rmtree(run_dir / f"{name}-{index}", ignore_errors=True)
@@ -134,6 +137,7 @@ def run_tandem(
         "logging.tensorboard=false",
         f"logging.run_dir={run_dir}",
         f"logging.name={name}-{index}",
+        f"cluster.in_process={str(in_process).lower()}",
     ]
     env = {**os.environ, "PYTHONPATH": str(BENCH)}
     start = time.perf_counter()
@@ -194,6 +198,9 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["short", "long"], choices=WORKLOADS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
+    parser.add_argument(
+        "--in-process", action="store_true", help="also run tandem with cluster.in_process=true"
+    )
     args = parser.parse_args()
     root = Path(tempfile.gettempdir()) / "tandem-e2e-cpu"
     root.mkdir(exist_ok=True)
@@ -201,9 +208,14 @@ def main() -> None:
     for name in args.workloads:
         model = model_path(name, root)
         prompts = prompts_file(model, WORKLOADS[name]["prompts"], WORKLOADS[name]["steps"], root)
-        runs: dict[str, list[tuple[float, float, dict[str, float]]]] = {"tandem": [], "trl": []}
+        sides = ["tandem", *(["tandem_in_process"] if args.in_process else []), "trl"]
+        runs: dict[str, list[tuple[float, float, dict[str, float]]]] = {s: [] for s in sides}
         for index in range(args.rounds):
             runs["tandem"].append(run_tandem(name, model, root, index, args.backend))
+            if args.in_process:
+                runs["tandem_in_process"].append(
+                    run_tandem(name, model, root, index, args.backend, in_process=True)
+                )
             runs["trl"].append(run_trl(name, model, prompts, python, index))
             for side, values in runs.items():
                 step, whole, parts = values[-1]
@@ -220,23 +232,25 @@ def main() -> None:
                 )
         step = {side: statistics.median(v[0] for v in values) for side, values in runs.items()}
         whole = {side: statistics.median(v[1] for v in values) for side, values in runs.items()}
-        emit(
-            {
-                "figure": "e2e_cpu_vs_trl",
-                "workload": name,
-                "tandem_backend": args.backend,
-                "rounds": args.rounds,
-                "tandem_step_s": round(step["tandem"], 4),
-                "trl_step_s": round(step["trl"], 4),
-                "step_ratio": round(step["tandem"] / step["trl"], 3),
-                "tandem_step_spread": spread([v[0] for v in runs["tandem"]]),
-                "trl_step_spread": spread([v[0] for v in runs["trl"]]),
-                "tandem_process_s": round(whole["tandem"], 2),
-                "trl_process_s": round(whole["trl"], 2),
-                "process_ratio": round(whole["tandem"] / whole["trl"], 3),
-                "cores": len(os.sched_getaffinity(0)),
-            }
-        )
+        for side in sides[:-1]:
+            emit(
+                {
+                    "figure": "e2e_cpu_vs_trl",
+                    "workload": name,
+                    "tandem_backend": args.backend,
+                    "tandem_runtime": "in_process" if side == "tandem_in_process" else "ray",
+                    "rounds": args.rounds,
+                    "tandem_step_s": round(step[side], 4),
+                    "trl_step_s": round(step["trl"], 4),
+                    "step_ratio": round(step[side] / step["trl"], 3),
+                    "tandem_step_spread": spread([v[0] for v in runs[side]]),
+                    "trl_step_spread": spread([v[0] for v in runs["trl"]]),
+                    "tandem_process_s": round(whole[side], 2),
+                    "trl_process_s": round(whole["trl"], 2),
+                    "process_ratio": round(whole[side] / whole["trl"], 3),
+                    "cores": len(os.sched_getaffinity(0)),
+                }
+            )
 
 
 if __name__ == "__main__":
