@@ -66,3 +66,22 @@ def test_in_process_with_a_bad_setting_is_an_error_without_traceback(tmp_path: P
     assert out.returncode == 2
     assert "generation.tensor_parallel_size must be 1" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_resume_in_process_reproduces_the_uninterrupted_run(tmp_path: Path) -> None:
+    def steps(name: str, num_steps: int, *extra: str) -> list[dict]:
+        overrides = [f"logging.name={name}", f"algorithm.num_steps={num_steps}"]
+        # no evaluation: a run evaluates at its last step, which the 2-step run's 2 is not
+        out = _grpo(tmp_path, *overrides, "algorithm.eval_every=0", *extra)
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [
+            {k: v for k, v in row.items() if not k.startswith(("timing/", "throughput/", "refit/"))}
+            for row in map(json.loads, lines)
+            if "train/loss" in row
+        ]
+
+    straight = steps("straight", 3)
+    steps("resumed", 2)
+    resumed = steps("resumed", 3, "--resume")
+    assert resumed == straight
