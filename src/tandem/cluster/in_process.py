@@ -73,7 +73,8 @@ class InProcessRuntime(Runtime):
         by the generator; ``wait_generators`` is moot (it is done when this returns)."""
         if self.generators is None:
             return {}
-        self._enter(policy=True, reference=False, generators="weights")  # phases: none here
+        # a no-op: start() builds no memory phases (tests construct some, and it keeps them)
+        self._enter(policy=True, reference=False, generators="weights")
         if version is not None:
             self.weights_version = version
         assert isinstance(self.trainers, InlineGroup) and isinstance(self.generators, InlineGroup)

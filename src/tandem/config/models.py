@@ -47,8 +47,8 @@ class ClusterConfig(Section):
     """Run the trainer and the generator in the driver's process, on its thread, instead of in
     Ray actors: no Ray, no actor environments (this interpreter must hold the trainer's and
     the generator's dependencies), a refit is a copy from one to the other. One trainer, one
-    generator, colocated; for small models on one machine, where separate processes cost more
-    than they give (docs/performance.md)."""
+    generator, colocated, CPU machines only; for small models, where separate processes cost
+    more than they give (docs/performance.md)."""
 
     @model_validator(mode="after")
     def _in_process_alone(self) -> ClusterConfig:
