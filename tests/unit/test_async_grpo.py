@@ -44,7 +44,11 @@ def _runtime(config: GrpoConfig, max_concurrency: int = 1) -> Runtime:
         refit=config.refit.model_copy(update={"transport": "colocated"}),
         generation=config.generation,
     )
-    generator = GeneratorWorker(generation=config.generation, model_path=str(DEFAULT_MODEL_DIR))
+    generator = GeneratorWorker(
+        generation=config.generation,
+        model_path=str(DEFAULT_MODEL_DIR),
+        compute_thread=max_concurrency > 1,  # as Runtime.start builds them for in-flight refit
+    )
     generators = LocalGroup([generator], "generator", max_concurrency=max_concurrency)
     return Runtime(LocalGroup([trainer], "trainer"), generators)
 
@@ -149,3 +153,35 @@ def test_max_staleness_needs_split_placement_and_a_correction(tmp_path: Path) ->
         _config(tmp_path, "algorithm.refit_mode=in_flight")
     with pytest.raises(ValueError, match="after_requests"):
         _config(tmp_path, "algorithm.max_staleness=1", "algorithm.refit_mode=sometimes")
+
+
+def test_a_two_call_generator_builds_and_generates_on_one_thread_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """``compute_thread``: whichever thread calls, the engine is built and every generation
+    runs on the worker's one compute thread (OpenMP work on two threads slows both)."""
+    import threading
+
+    from tandem.generation.base import SamplingParams
+
+    config = _config(tmp_path)
+    worker = GeneratorWorker(
+        generation=config.generation, model_path=str(DEFAULT_MODEL_DIR), compute_thread=True
+    )
+    seen: list[int] = []
+    generate = worker.generator.generate
+
+    def recorded(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(threading.get_ident())
+        return generate(*args, **kwargs)
+
+    worker.generator.generate = recorded  # type: ignore[method-assign]
+    params = SamplingParams(temperature=1.0, max_tokens=4, n=2, seed=0)
+    callers = [threading.Thread(target=worker.generate, args=([[1, 2, 3]], params)) for _ in "ab"]
+    for caller in callers:
+        caller.start()
+        caller.join()
+    worker.generate([[1, 2, 3]], params)  # and from this thread
+    assert len(seen) == 3 and len(set(seen)) == 1
+    assert seen[0] not in {threading.get_ident(), *(c.ident for c in callers)}
+    worker.shutdown()

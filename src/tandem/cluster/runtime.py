@@ -181,7 +181,12 @@ class Runtime:
                 GeneratorWorker,
                 cluster.num_generators,
                 kind="generator",
-                kwargs=dict(generation=generation, model_path=str(spec.policy.model_path)),
+                kwargs=dict(
+                    generation=generation,
+                    model_path=str(spec.policy.model_path),
+                    # two calls at once run on two threads: the engine's work stays on one
+                    compute_thread=spec.in_flight_refit,
+                ),
                 bundles=placement.generator_bundles,
                 env_vars=env_vars,
                 env_mode=cluster.env_mode,
