@@ -48,7 +48,9 @@ class ClusterConfig(Section):
     Ray actors: no Ray, no actor environments (this interpreter must hold the trainer's and
     the generator's dependencies), a refit is a copy from one to the other. One trainer, one
     generator, colocated, CPU machines only; for small models, where separate processes cost
-    more than they give (docs/performance.md)."""
+    more than they give (docs/performance.md). threads_per_actor, when set, is this process's
+    torch thread count; env_mode, cpus_per_actor, gpus_per_actor and call_timeout_s do not
+    apply (there are no actors to place or to wait for)."""
 
     @model_validator(mode="after")
     def _in_process_alone(self) -> ClusterConfig:
