@@ -3,12 +3,14 @@ keeps the engines cheap: what is tested is the runtime, not vLLM (test_refit_e2e
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
 from tandem.assets import DEFAULT_MODEL_DIR
-from tandem.cluster.runtime import Runtime, RuntimeSpec
+from tandem.cluster.runtime import KEEP_FREED_HOST_MEMORY, Runtime, RuntimeSpec
 from tandem.cluster.worker_group import WorkerError
 from tandem.config.models import ClusterConfig, GenerationConfig, PolicyConfig, RefitConfig
 from tandem.generation import SamplingParams, make_generator
@@ -44,6 +46,10 @@ def test_generate_fans_out_and_a_killed_generator_is_named(
     trainer_actors = list(runtime.trainers.actors)
     assert runtime.engine_shutdown is False  # an engine on a CPU ends with its actor's kill
     try:
+        # the actors of a CPU machine keep the memory they free (KEEP_FREED_HOST_MEMORY)
+        for actor in [*trainer_actors, *runtime.generators.actors]:  # type: ignore[union-attr]
+            env = ray.get(actor.__ray_call__.remote(lambda host: dict(os.environ)))
+            assert {k: env.get(k) for k in KEEP_FREED_HOST_MEMORY} == KEEP_FREED_HOST_MEMORY
         # 5 prompts over 2 engines (3 + 2): rollouts come back in prompt order, indices global
         rollouts = runtime.generate(prompts, GREEDY)
         assert [r.prompt_index for r in rollouts] == list(range(len(PROMPTS)))
