@@ -34,7 +34,7 @@ import torch
 
 from tandem.cluster.groups import Group, WorkerError, get_together
 from tandem.cluster.spec import RuntimeSpec
-from tandem.config.models import GenerationConfig, generator_dtype
+from tandem.config.models import ClusterConfig, GenerationConfig, generator_dtype
 from tandem.data.batch import TrainBatch
 
 if TYPE_CHECKING:
@@ -82,6 +82,19 @@ time, training steps 4.0-5.9 -> 3.5-5.0 s, the same peak RSS (3.0-3.2 GB). glibc
 at a process's start (``mallopt`` in a running one, after torch's import, did not help: the
 second of two 200 MB tensors still faulted in every page), so the in-process runtime goes
 without."""
+
+
+def _actor_env(cluster: ClusterConfig, placement: Placement) -> dict[str, str]:
+    """The environment variables of every trainer and generator actor."""
+    from tandem.cluster.placement import actor_threads
+
+    # no progress bars from the actors (transformers' "Loading weights", one per actor): Ray's
+    # log monitor forwards a bar's line once it ends, so they reached the terminal late, some
+    # after the run's last step; the driver shows the run's own progress
+    env = {"OMP_NUM_THREADS": str(actor_threads(cluster)), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    if not any(s.num_gpus for s in [*placement.trainer_bundles, *placement.generator_bundles]):
+        env.update(KEEP_FREED_HOST_MEMORY)
+    return env
 
 
 def resolved_generation(spec: RuntimeSpec) -> GenerationConfig:
@@ -149,7 +162,7 @@ class Runtime:
 
             return InProcessRuntime.start(spec)
         from tandem.cluster.actors import GeneratorWorker, TrainerWorker
-        from tandem.cluster.placement import actor_threads, make_placement
+        from tandem.cluster.placement import make_placement
         from tandem.cluster.ray_cluster import init_ray
         from tandem.cluster.worker_group import WorkerGroup
 
@@ -160,16 +173,10 @@ class Runtime:
         if refit.transport == "auto":
             refit = refit.model_copy(update={"transport": cluster.placement})
         placement = make_placement(cluster)
-        threads = str(actor_threads(cluster))
-        # no progress bars from the actors (transformers' "Loading weights", one per actor):
-        # Ray's log monitor forwards a bar's line once it ends, so they reached the terminal
-        # late, some after the run's last step; the driver shows the run's own progress
-        env_vars = {"OMP_NUM_THREADS": threads, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        env_vars = _actor_env(cluster, placement)
         colocated_gpus = cluster.placement == "colocated" and any(
             slot.num_gpus > 0 for slot in placement.trainer_bundles
         )
-        if not any(s.num_gpus for s in [*placement.trainer_bundles, *placement.generator_bundles]):
-            env_vars.update(KEEP_FREED_HOST_MEMORY)
         groups = {
             "trainer": lambda: WorkerGroup(
                 TrainerWorker,
