@@ -79,9 +79,8 @@ mmapped) and nothing trimmed back, so what a step frees the next one reuses, ins
 unmapping it and faulting it in again page by page, zeroed. On the long CPU workload the
 trainer actor took 2.0M -> 0.85M minor faults over 4 steps, 8.0-8.5 -> 4.7-5.2 s of system
 time, training steps 4.0-5.9 -> 3.5-5.0 s, the same peak RSS (3.0-3.2 GB). glibc reads them
-at a process's start (``mallopt`` in a running one, after torch's import, did not help: the
-second of two 200 MB tensors still faulted in every page), so the in-process runtime goes
-without."""
+at a process's start; the in-process runtime sets the same through ``mallopt``
+(``in_process.keep_freed_host_memory``)."""
 
 
 def _actor_env(cluster: ClusterConfig, placement: Placement) -> dict[str, str]:
