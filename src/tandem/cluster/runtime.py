@@ -22,6 +22,7 @@ and ``_enter`` returns at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -172,12 +173,17 @@ class Runtime:
         if refit.transport == "auto":
             refit = refit.model_copy(update={"transport": cluster.placement})
         placement = make_placement(cluster)
-        env_vars = _actor_env(cluster, placement)
         colocated_gpus = cluster.placement == "colocated" and any(
             slot.num_gpus > 0 for slot in placement.trainer_bundles
         )
+        group = functools.partial(  # what every group of actors shares
+            WorkerGroup,
+            env_vars=_actor_env(cluster, placement),
+            env_mode=cluster.env_mode,
+            call_timeout_s=cluster.call_timeout_s,
+        )
         groups = {
-            "trainer": lambda: WorkerGroup(
+            "trainer": lambda: group(
                 TrainerWorker,
                 cluster.num_trainers,
                 kind="trainer",
@@ -190,13 +196,10 @@ class Runtime:
                     total_steps=spec.total_steps,
                 ),
                 bundles=placement.trainer_bundles,
-                env_vars=env_vars,
-                env_mode=cluster.env_mode,
-                call_timeout_s=cluster.call_timeout_s,
             ),
         }
         if spec.with_generators:
-            groups["generator"] = lambda: WorkerGroup(
+            groups["generator"] = lambda: group(
                 GeneratorWorker,
                 cluster.num_generators,
                 kind="generator",
@@ -207,9 +210,6 @@ class Runtime:
                     compute_thread=spec.in_flight_refit,
                 ),
                 bundles=placement.generator_bundles,
-                env_vars=env_vars,
-                env_mode=cluster.env_mode,
-                call_timeout_s=cluster.call_timeout_s,
                 max_concurrency=2 if spec.in_flight_refit else 1,
             )
         # Both kinds start at once (their processes, imports and model loads overlap), except
