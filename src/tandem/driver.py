@@ -135,6 +135,8 @@ def run_loop(
         runtime.refit(version=start)
     with MetricsLogger(config.logging, run_dir, num_steps, start_step=start) as logger:
         logger.info(f"run directory: {run_dir}")
+        if runtime is not None:  # None: a loop of steps that need no workers
+            logger.info(f"workers: {runtime.where}")
         if start == 0 and eval_every > 0:
             logger.log(0, eval_fn())
         for step in range(start + 1, num_steps + 1):
@@ -371,7 +373,7 @@ def run_dpo(config: DpoConfig, resume: bool = False) -> list[dict[str, Any]]:
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer = pool.submit(load_tokenizer, config.policy.model_path)
-        if config.cluster.in_process:
+        if spec.cluster.in_process:
             tokenizer.result()  # not while the workers import transformers here
         with Runtime.start(spec) as runtime:
             exact_match = load_reward("exact_match")

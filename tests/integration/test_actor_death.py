@@ -19,7 +19,12 @@ from tandem.rewards import exact_match
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
 
-STEPS = ["algorithm.num_steps=4", "checkpoint.every=1", "checkpoint.keep=3"]
+STEPS = [
+    "algorithm.num_steps=4",
+    "checkpoint.every=1",
+    "checkpoint.keep=3",
+    "cluster.in_process=false",  # actors to kill
+]
 KILLED = False
 
 

@@ -109,3 +109,38 @@ def test_in_process_needs_one_trainer_one_generator_colocated_and_no_async() -> 
             ],
         )
     assert load_config(GrpoConfig, None, ["cluster.in_process=true"]).cluster.in_process
+
+
+def test_by_default_a_run_that_fits_one_process_runs_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.cluster import spec as spec_module
+    from tandem.cluster.spec import RuntimeSpec
+
+    def in_process(*overrides: str, in_flight_refit: bool = False) -> bool | None:
+        config = load_config(GrpoConfig, None, list(overrides))
+        parts = (config.cluster, config.policy, config.generation, config.refit)
+        return RuntimeSpec(*parts, in_flight_refit=in_flight_refit).cluster.in_process
+
+    devices: list[str] = []  # no GPU's device files
+    monkeypatch.setattr(spec_module.glob, "glob", lambda pattern: list(devices))
+    monkeypatch.setattr(spec_module, "find_spec", lambda name: object())  # vllm importable
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert in_process() is True
+    assert in_process("cluster.in_process=false") is False
+    for override in [
+        "cluster.num_generators=2",
+        "cluster.num_trainers=2",
+        "cluster.placement=split",
+        "cluster.address=10.0.0.1:6379",
+        "generation.tensor_parallel_size=2",
+    ]:
+        assert in_process(override) is False, override
+    assert in_process(in_flight_refit=True) is False
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a cluster to join
+    assert in_process() is False
+    monkeypatch.delenv("RAY_ADDRESS")
+    devices.append("/dev/nvidia0")
+    assert in_process() is False
+    devices.clear()
+    monkeypatch.setattr(spec_module, "find_spec", lambda name: None)  # no vllm here
+    assert in_process() is False
+    assert in_process("generation.backend=hf") is True

@@ -42,6 +42,10 @@ def keep_freed_host_memory() -> bool:
 class InProcessRuntime(Runtime):
     """One trainer and one generator in this process; ``start(spec)`` builds them."""
 
+    @property
+    def where(self) -> str:
+        return "in this process (cluster.in_process=false for Ray actors)"
+
     @classmethod
     def start(cls, spec: RuntimeSpec) -> InProcessRuntime:
         from tandem.cluster.actors import GeneratorWorker, TrainerWorker
@@ -67,6 +71,10 @@ class InProcessRuntime(Runtime):
         if spec.cluster.threads_per_actor is not None:
             torch.set_num_threads(spec.cluster.threads_per_actor)
         keep_freed_host_memory()  # what the actors get at their start
+        # nor transformers' "Loading weights" bar (the actors' HF_HUB_DISABLE_PROGRESS_BARS)
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
         trainer = TrainerWorker(
             policy=spec.policy,
             refit=spec.refit,

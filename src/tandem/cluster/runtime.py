@@ -241,6 +241,13 @@ class Runtime:
             trainers.run("pin_offload_memory")
         return runtime
 
+    @property
+    def where(self) -> str:
+        """Where the workers run, for the run's log."""
+        if self.placement is None:
+            return "in this process"
+        return f"Ray actors, {self.placement.mode}"
+
     def __enter__(self) -> Runtime:
         return self
 

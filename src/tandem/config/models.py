@@ -43,14 +43,17 @@ class ClusterConfig(Section):
     """Longest wait for one call on the trainers or generators (a generate, a train step, a
     checkpoint); past it the run stops with an error naming the actor and the method. None
     waits forever."""
-    in_process: bool = False
+    in_process: bool | None = None
     """Run the trainer and the generator in the driver's process, on its thread, instead of in
     Ray actors: no Ray, no actor environments (this interpreter must hold the trainer's and
     the generator's dependencies), a refit is a copy from one to the other. One trainer, one
     generator, colocated, CPU machines only; for small models, where separate processes cost
     more than they give (docs/performance.md). threads_per_actor, when set, is this process's
     torch thread count; env_mode, cpus_per_actor, gpus_per_actor and call_timeout_s do not
-    apply (there are no actors to place or to wait for)."""
+    apply (there are no actors to place or to wait for). None (the default): in this process
+    where the run fits it (those conditions, no cluster to join, generation.tensor_parallel_size
+    =1, no NVIDIA device on this machine, vllm importable here when generation.backend=vllm),
+    else Ray actors; false: always Ray actors."""
 
     @model_validator(mode="after")
     def _in_process_alone(self) -> ClusterConfig:
