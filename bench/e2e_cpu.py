@@ -10,16 +10,17 @@ Workloads (``--workloads``, default short and long):
   prompts x 8, <= 128 tokens (a random model rarely stops early), the dense digit reward, 5 steps.
 
 Each round runs ``tandem grpo`` (its CLI, the main job's recipe with the workload's overrides,
-isolated actor environments: what a user runs) and then ``trl_peer.py`` in a scratch venv the
-bench builds with uv (TRL 1.16 beside the same torch and transformers as tandem's lock; TRL is
-not a tandem dependency). A run's figure is the median of its steps after the first; one JSON
-line per run (tandem's with the medians of its generate, train and refit parts), then per
-workload the medians over rounds, their spread and the ratio. ``--in-process`` adds a third
-run per round, ``tandem grpo cluster.in_process=true`` (trainer and generator in the driver's
-process, no Ray), with its own ratio to TRL.
+the default runtime: what a user runs; on this CPU machine trainer and generator in the
+driver's process) and then ``trl_peer.py`` in a scratch venv the bench builds with uv (TRL 1.16
+beside the same torch and transformers as tandem's lock; TRL is not a tandem dependency). A
+run's figure is the median of its steps after the first; one JSON line per run (tandem's with
+the medians of its generate, train and refit parts and the runtime its log names), then per
+workload the medians over rounds, their spread and the ratio. ``--ray`` adds a third run per
+round, ``tandem grpo cluster.in_process=false`` (colocated Ray actors in their isolated
+environments), with its own ratio to TRL.
 
     ./run.sh python bench/e2e_cpu.py [--workloads short main long] [--rounds 3] [--backend hf]
-        [--in-process]
+        [--ray]
 """
 
 from __future__ import annotations
@@ -114,10 +115,11 @@ def prompts_file(model: Path, prompts: int, steps: int, root: Path) -> Path:
 
 
 def run_tandem(
-    name: str, model: Path, root: Path, index: int, backend: str, in_process: bool = False
-) -> tuple[float, float, dict[str, float]]:
-    """(median step, whole process seconds, median seconds of the step's parts) of ``tandem
-    grpo`` on the workload (``in_process``: with ``cluster.in_process=true``)."""
+    name: str, model: Path, root: Path, index: int, backend: str, ray: bool = False
+) -> tuple[float, float, dict[str, float], str]:
+    """(median step, whole process seconds, median seconds of the step's parts, where its log
+    says the workers ran) of ``tandem grpo`` on the workload (``ray``: with
+    ``cluster.in_process=false``)."""
     work = WORKLOADS[name]
     run_dir = root / "tandem-runs"
     shutil.rmtree(run_dir / f"{name}-{index}", ignore_errors=True)
@@ -137,7 +139,7 @@ def run_tandem(
         "logging.tensorboard=false",
         f"logging.run_dir={run_dir}",
         f"logging.name={name}-{index}",
-        f"cluster.in_process={str(in_process).lower()}",
+        *(["cluster.in_process=false"] if ray else []),
     ]
     env = {**os.environ, "PYTHONPATH": str(BENCH)}
     start = time.perf_counter()
@@ -156,12 +158,14 @@ def run_tandem(
         part: round(statistics.median(row[f"timing/{part}_s"] for row in rows), 4)
         for part in ("generate", "train", "refit")
     }
-    return statistics.median(row["timing/step_s"] for row in rows), whole, parts
+    where = next(line for line in out.stderr.splitlines() if line.startswith("workers: "))
+    where = where.removeprefix("workers: ").split(" (")[0]
+    return statistics.median(row["timing/step_s"] for row in rows), whole, parts, where
 
 
 def run_trl(
     name: str, model: Path, prompts: Path, python: Path, index: int
-) -> tuple[float, float, dict[str, float]]:
+) -> tuple[float, float, dict[str, float], str]:
     work = WORKLOADS[name]
     command = [
         str(python),
@@ -186,7 +190,7 @@ def run_trl(
     ]
     if out.returncode != 0 or not steps:
         raise RuntimeError(f"TRL run failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return statistics.median(steps[1:]), whole, {}
+    return statistics.median(steps[1:]), whole, {}, ""
 
 
 def spread(values: list[float]) -> list[float]:
@@ -199,7 +203,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
     parser.add_argument(
-        "--in-process", action="store_true", help="also run tandem with cluster.in_process=true"
+        "--ray", action="store_true", help="also run tandem with cluster.in_process=false"
     )
     args = parser.parse_args()
     root = Path(tempfile.gettempdir()) / "tandem-e2e-cpu"
@@ -208,17 +212,15 @@ def main() -> None:
     for name in args.workloads:
         model = model_path(name, root)
         prompts = prompts_file(model, WORKLOADS[name]["prompts"], WORKLOADS[name]["steps"], root)
-        sides = ["tandem", *(["tandem_in_process"] if args.in_process else []), "trl"]
-        runs: dict[str, list[tuple[float, float, dict[str, float]]]] = {s: [] for s in sides}
+        sides = ["tandem", *(["tandem_ray"] if args.ray else []), "trl"]
+        runs: dict[str, list[tuple[float, float, dict[str, float], str]]] = {s: [] for s in sides}
         for index in range(args.rounds):
             runs["tandem"].append(run_tandem(name, model, root, index, args.backend))
-            if args.in_process:
-                runs["tandem_in_process"].append(
-                    run_tandem(name, model, root, index, args.backend, in_process=True)
-                )
+            if args.ray:
+                runs["tandem_ray"].append(run_tandem(name, model, root, index, args.backend, True))
             runs["trl"].append(run_trl(name, model, prompts, python, index))
             for side, values in runs.items():
-                step, whole, parts = values[-1]
+                step, whole, parts, where = values[-1]
                 emit(
                     {
                         "figure": "e2e_cpu_run",
@@ -227,7 +229,7 @@ def main() -> None:
                         "round": index,
                         "step_s": round(step, 4),
                         "process_s": round(whole, 2),
-                        **({"parts_s": parts} if parts else {}),
+                        **({"parts_s": parts, "workers": where} if parts else {}),
                     }
                 )
         step = {side: statistics.median(v[0] for v in values) for side, values in runs.items()}
@@ -238,7 +240,7 @@ def main() -> None:
                     "figure": "e2e_cpu_vs_trl",
                     "workload": name,
                     "tandem_backend": args.backend,
-                    "tandem_runtime": "in_process" if side == "tandem_in_process" else "ray",
+                    "tandem_workers": runs[side][0][3],
                     "rounds": args.rounds,
                     "tandem_step_s": round(step[side], 4),
                     "trl_step_s": round(step["trl"], 4),
