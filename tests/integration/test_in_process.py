@@ -64,7 +64,7 @@ def test_a_grpo_run_in_process_starts_no_ray_and_refits_every_step(tmp_path: Pat
 def test_in_process_with_a_bad_setting_is_an_error_without_traceback(tmp_path: Path) -> None:
     out = _grpo(tmp_path, "generation.tensor_parallel_size=2")
     assert out.returncode == 2
-    assert "generation.tensor_parallel_size must be 1" in out.stderr
+    assert "cluster.in_process=true needs generation.tensor_parallel_size=1" in out.stderr
     assert "Traceback" not in out.stderr
 
 

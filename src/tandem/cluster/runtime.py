@@ -161,6 +161,10 @@ class Runtime:
             from tandem.cluster.in_process import InProcessRuntime
 
             return InProcessRuntime.start(spec)
+        return cls._start_actors(spec)
+
+    @classmethod
+    def _start_actors(cls, spec: RuntimeSpec) -> Runtime:
         from tandem.cluster.actors import GeneratorWorker, TrainerWorker
         from tandem.cluster.placement import make_placement
         from tandem.cluster.ray_cluster import init_ray

