@@ -82,7 +82,7 @@ def _run_sft(args: argparse.Namespace) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> None:
-    from tandem.driver import export_checkpoint
+    from tandem.runs import export_checkpoint
 
     print(f"exported {export_checkpoint(args.checkpoint, args.out_dir)}")
 

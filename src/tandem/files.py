@@ -1,7 +1,7 @@
 """Folders written so that a crash leaves the old one or the new one, never half of one.
 
 Every "write to a temporary name, then rename" in tandem goes through ``atomic_dir``: run
-checkpoints (``driver.Checkpoints``), trainer checkpoints (``checkpoint.sharded``), Hugging Face
+checkpoints (``runs.Checkpoints``), trainer checkpoints (``checkpoint.sharded``), Hugging Face
 exports (``checkpoint.hf_export``) and actor environments (``cluster.envs``).
 """
 

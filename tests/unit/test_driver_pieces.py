@@ -11,7 +11,7 @@ import torch
 from tandem.algorithms.rollouts import rollouts_to_batch, score_rollouts
 from tandem.config.models import CheckpointConfig, DataConfig, LoggingConfig
 from tandem.data.prompts import PromptSource, load_prompt_file
-from tandem.driver import Checkpoints
+from tandem.runs import Checkpoints
 from tandem.generation.base import Rollout
 from tandem.logging.metrics import CONSOLE_KEYS, MetricsLogger, format_console_line, read_metrics
 from tandem.logging.plots import plot_run
