@@ -16,7 +16,7 @@ beside the same torch and transformers as tandem's lock; TRL is not a tandem dep
 run's figure is the median of its steps after the first; one JSON line per run (tandem's with
 the medians of its generate, train and refit parts and the runtime its log names), then per
 workload the medians over rounds, their spread and the ratio. ``--ray`` adds a third run per
-round, ``tandem grpo cluster.in_process=false`` (colocated Ray actors in their isolated
+round, ``tandem grpo cluster.runtime=ray`` (colocated Ray actors in their isolated
 environments), with its own ratio to TRL.
 
     ./run.sh python bench/e2e_cpu.py [--workloads short main long] [--rounds 3] [--backend hf]
@@ -119,7 +119,7 @@ def run_tandem(
 ) -> tuple[float, float, dict[str, float], str]:
     """(median step, whole process seconds, median seconds of the step's parts, where its log
     says the workers ran) of ``tandem grpo`` on the workload (``ray``: with
-    ``cluster.in_process=false``)."""
+    ``cluster.runtime=ray``)."""
     work = WORKLOADS[name]
     run_dir = root / "tandem-runs"
     shutil.rmtree(run_dir / f"{name}-{index}", ignore_errors=True)
@@ -139,7 +139,7 @@ def run_tandem(
         "logging.tensorboard=false",
         f"logging.run_dir={run_dir}",
         f"logging.name={name}-{index}",
-        *(["cluster.in_process=false"] if ray else []),
+        *(["cluster.runtime=ray"] if ray else []),
     ]
     env = {**os.environ, "PYTHONPATH": str(BENCH)}
     start = time.perf_counter()
@@ -203,7 +203,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
     parser.add_argument(
-        "--ray", action="store_true", help="also run tandem with cluster.in_process=false"
+        "--ray", action="store_true", help="also run tandem with cluster.runtime=ray"
     )
     args = parser.parse_args()
     root = Path(tempfile.gettempdir()) / "tandem-e2e-cpu"

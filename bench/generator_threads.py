@@ -2,7 +2,7 @@
 
 A generator actor that runs two calls at once (``algorithm.refit_mode=in_flight``) takes them on
 alternating threads; once two threads of a process have run OpenMP regions, small ops on both
-slow down. ``GeneratorWorker(compute_thread=True)`` (what ``Runtime.start`` builds for in-flight
+slow down. ``GeneratorWorker(compute_thread=True)`` (what ``launch_ray`` builds for in-flight
 refit) keeps the engine's work on one thread of its own. Each variant is a fresh Ray actor in
 the driver's interpreter with 2 intra-op threads, generating 8 prompts x 8 samples x <= 8 tokens
 of the embedded model ``--calls`` times; the median after 5 warm-up calls, variants alternating

@@ -1,32 +1,111 @@
-"""The driver process of a run: run directory, worker runtime, the step loop, evaluation,
-checkpoints and resume. The algorithms' arithmetic lives in ``tandem.algorithms``."""
+"""The driver process of a run. ``run_grpo``, ``run_sft`` and ``run_dpo`` read top to bottom:
+check the inputs and settle where the workers run (before torch or Ray start), start the
+workers (``workers``), open the run folder (``open_run``: resume, config, logger), loop over
+the steps, finish. The algorithms' arithmetic lives in ``tandem.algorithms``."""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tandem.config import DpoConfig, GrpoConfig, SftConfig, save_resolved
+from tandem.config.models import RefitConfig
 from tandem.imports import resume_gc
 from tandem.logging.metrics import MetricsLogger, read_metrics
 from tandem.logging.plots import plot_run
 from tandem.runs import Checkpoints, check_run_dir, make_run_dir, truncate_metrics
 
+if TYPE_CHECKING:
+    from tandem.cluster.runtime import Runtime
+    from tandem.cluster.spec import RuntimeSpec
 
-def run_loop(
-    config: GrpoConfig | SftConfig | DpoConfig,
-    kind: str,
-    runtime: Any,
-    num_steps: int,
-    eval_every: int,
-    step_fn: Callable[[int], dict[str, float]],
-    eval_fn: Callable[[], dict[str, float]],
-    resume: bool,
-) -> list[dict[str, Any]]:
-    """The step loop shared by every algorithm: evaluation, logging, checkpoints, resume."""
+AnyConfig = TypeVar("AnyConfig", GrpoConfig, SftConfig, DpoConfig)
+
+
+def settle_runtime(
+    config: AnyConfig, kind: str, resume: bool, **spec: Any
+) -> tuple[AnyConfig, RuntimeSpec]:
+    """The run's ``RuntimeSpec`` with ``cluster.runtime`` decided, and the config that records
+    it (its saved copy names where the workers ran); then the run folder's checks. Nothing has
+    started yet: a misfit or a folder that cannot be used is a user's error, before torch."""
+    from tandem.cluster.spec import RuntimeSpec
+
+    parts = (config.cluster, config.policy, config.generation)
+    refit = config.refit if isinstance(config, GrpoConfig) else RefitConfig()
+    resolved = RuntimeSpec(*parts, refit, **spec).resolve()
+    config = config.model_copy(update={"cluster": resolved.cluster})
+    check_run_dir(config, kind, resume)
+    return config, resolved
+
+
+@contextmanager
+def workers(spec: RuntimeSpec, model_path: Path) -> Iterator[tuple[Runtime, Any]]:
+    """The started runtime and the model's tokenizer. Ray starts (for Ray actors) while a
+    thread imports the runtime (torch) and loads the tokenizer (transformers' import takes
+    seconds), which goes on while the actors start. Ray starts in this thread: started from
+    another, its processes die with that thread."""
+    from tandem.data.prompts import load_tokenizer
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        launch = pool.submit(importlib.import_module, "tandem.cluster.launch")
+        tokenizer = pool.submit(load_tokenizer, model_path)
+        if spec.cluster.runtime == "in_process":
+            # the workers import transformers here: not while that thread does (its lazy
+            # module is not safe to import from two threads at once)
+            tokenizer.result()
+        else:
+            from tandem.cluster.ray_cluster import init_ray
+
+            init_ray(spec.cluster.address)
+        with launch.result().start_runtime(spec) as runtime:
+            yield runtime, tokenizer.result()
+
+
+@dataclass
+class Run:
+    """An open run folder: where each step's metrics go and when evaluations and checkpoints
+    fall due."""
+
+    run_dir: Path
+    runtime: Runtime
+    logger: MetricsLogger
+    checkpoints: Checkpoints
+    start_step: int
+    num_steps: int
+    eval_every: int
+
+    def steps(self) -> range:
+        """The steps still to run (after the checkpoint of a resumed run)."""
+        return range(self.start_step + 1, self.num_steps + 1)
+
+    def evaluates(self, step: int) -> bool:
+        """Whether step ``step`` ends with an evaluation (step 0: before training)."""
+        if self.eval_every <= 0:
+            return False
+        if step == 0:
+            return self.start_step == 0
+        return step % self.eval_every == 0 or step == self.num_steps
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """The step's metrics to every sink, then its checkpoint if one is due."""
+        self.logger.log(step, metrics)
+        if step > 0 and self.checkpoints.due(step, self.num_steps):
+            self.checkpoints.save(step, self.runtime, {})
+
+
+@contextmanager
+def open_run(
+    config: GrpoConfig | SftConfig | DpoConfig, kind: str, resume: bool, runtime: Runtime
+) -> Iterator[Run]:
+    """The run folder with the resolved config in it; on ``resume`` the latest complete
+    checkpoint is loaded (and refit into the generators) and later metrics dropped. When the
+    block ends without an error, the policy is exported (``checkpoint.export_hf``) and the
+    metrics plotted."""
     resume_gc()  # the start is over (``cli.main`` paused the collector for it)
     run_dir = make_run_dir(config.logging, kind, resume)
     save_resolved(config, run_dir)
@@ -36,74 +115,73 @@ def run_loop(
         start = int(checkpoints.load(runtime)["step"])
         truncate_metrics(run_dir, start)
         runtime.refit(version=start)
+    num_steps, eval_every = config.algorithm.num_steps, config.algorithm.eval_every
     with MetricsLogger(config.logging, run_dir, num_steps, start_step=start) as logger:
         logger.info(f"run directory: {run_dir}")
-        if runtime is not None:  # None: a loop of steps that need no workers
-            logger.info(f"workers: {runtime.where}")
-        if start == 0 and eval_every > 0:
-            logger.log(0, eval_fn())
-        for step in range(start + 1, num_steps + 1):
-            metrics = step_fn(step)
-            if eval_every > 0 and (step % eval_every == 0 or step == num_steps):
-                metrics.update(eval_fn())
-            logger.log(step, metrics)
-            if checkpoints.due(step, num_steps):
-                checkpoints.save(step, runtime, {})
+        logger.info(f"workers: {runtime.where}")
+        yield Run(run_dir, runtime, logger, checkpoints, start, num_steps, eval_every)
         if config.checkpoint.export_hf:
             runtime.export_hf(str((run_dir / "hf").resolve()))
             logger.info(f"trained policy (Hugging Face folder): {run_dir / 'hf'}")
-    records = read_metrics(run_dir)
-    plot_run(records, run_dir / "reward.png", title=f"{kind}: {run_dir.name}")
-    return records
+    plot_run(read_metrics(run_dir), run_dir / "reward.png", title=f"{kind}: {run_dir.name}")
 
 
 def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
-    from tandem.preflight import check_episode_length, check_run_inputs
+    from tandem.data.prompts import PromptSource, load_prompt_items
+    from tandem.preflight import check_episode_length, check_prompt_lengths, check_run_inputs
+    from tandem.rewards import RewardScorer
 
     context = check_run_inputs(config.policy, config.generation, config.data)  # before torch
-    check_run_dir(config, "grpo", resume)
-    from tandem.cluster.spec import RuntimeSpec
-
-    algo = config.algorithm
-    spec = RuntimeSpec(
-        config.cluster,
-        config.policy,
-        config.generation,
-        config.refit,
+    algo, data = config.algorithm, config.data
+    config, spec = settle_runtime(
+        config,
+        "grpo",
+        resume,
         with_reference=algo.kl_coef > 0,
         total_steps=algo.num_steps * algo.ppo_epochs * algo.num_minibatches,  # optimizer steps
         in_flight_refit=algo.refit_mode == "in_flight",
     )
     if config.environment is not None:
         check_episode_length(config.environment.max_tokens, context)
-    with (
-        runtime_and_prompts(config, spec, context) as (runtime, source),
-        environments(config) as envs,
-    ):
+    train, eval_items = load_prompt_items(data, algo.seed, environment=config.environment)
+    scorer = RewardScorer(
+        data.reward, data.num_reward_workers, data.reward_timeout_s, data.invalid_reward
+    )
+    with scorer, workers(spec, config.policy.model_path) as (runtime, tokenizer):
         from tandem.algorithms.async_grpo import RolloutPipeline
-        from tandem.algorithms.grpo import evaluate, grpo_step
+        from tandem.algorithms.grpo import grpo_step
 
-        source.environments = envs
+        source = PromptSource(train, eval_items, tokenizer, scorer, algo.seed)
+        check_prompt_lengths(source.longest_prompts(), context, config.generation)
+        with open_run(config, "grpo", resume, runtime) as run, environments(config) as envs:
+            source.environments = envs
+            pipeline = RolloutPipeline(runtime, config, source) if algo.max_staleness > 0 else None
+            if run.evaluates(0):
+                run.log(0, grpo_evaluation(runtime, source, config, pipeline))
+            for step in run.steps():
+                if pipeline is not None:
+                    metrics = pipeline.step(step)
+                else:
+                    prompts = source.train_prompts(step - 1, algo.prompts_per_step)
+                    metrics = grpo_step(runtime, config, prompts, step, source).metrics
+                # what the memory phases cost (colocated GPUs), the generators' idle time
+                metrics.update(runtime.take_metrics())
+                if run.evaluates(step):
+                    metrics.update(grpo_evaluation(runtime, source, config, pipeline))
+                run.log(step, metrics)
+    return read_metrics(run.run_dir)
 
-        def step_fn(step: int) -> dict[str, float]:
-            if pipeline is not None:
-                metrics = pipeline.step(step)
-            else:
-                prompts = source.train_prompts(step - 1, algo.prompts_per_step)
-                metrics = grpo_step(runtime, config, prompts, step, source).metrics
-            # what the memory phases cost (colocated GPUs), the generators' idle time
-            return {**metrics, **runtime.take_metrics()}
 
-        def eval_fn() -> dict[str, float]:
-            if pipeline is not None:
-                pipeline.sync_weights()  # evaluate the policy just trained
-            sampling = config.generation.sampling
-            return evaluate(runtime, source, config.data.num_eval_prompts, sampling, config)
+def grpo_evaluation(
+    runtime: Runtime, source: Any, config: GrpoConfig, pipeline: Any
+) -> dict[str, float]:
+    """Held-out accuracy of the policy just trained (an async pipeline refits it first)."""
+    from tandem.algorithms.grpo import evaluate
 
-        pipeline = RolloutPipeline(runtime, config, source) if algo.max_staleness > 0 else None
-        return run_loop(
-            config, "grpo", runtime, algo.num_steps, algo.eval_every, step_fn, eval_fn, resume
-        )
+    if pipeline is not None:
+        pipeline.sync_weights()
+    sampling = config.generation.sampling
+    return evaluate(runtime, source, config.data.num_eval_prompts, sampling, config)
 
 
 @contextmanager
@@ -133,137 +211,97 @@ def environments(config: GrpoConfig) -> Iterator[Any]:
         pool.shutdown()
 
 
-@contextmanager
-def runtime_and_prompts(
-    config: GrpoConfig | SftConfig, spec: Any, context: int
-) -> Iterator[tuple[Any, Any]]:
-    """The started runtime and the prompt source (``preflight.check_run_inputs`` has checked
-    the inputs and found the model's ``context``). The prompts are read (and checked) before
-    anything starts. Then Ray starts while a thread imports the runtime (torch: 1.1-1.3 s) and
-    loads the tokenizer (transformers' import takes seconds), which goes on while the actors
-    start. Ray starts in this thread: started from another, its processes die with that thread.
-    Before here the driver imports nothing that imports torch."""
-    from tandem.data.prompts import PromptSource, load_prompt_items, load_tokenizer
-    from tandem.preflight import check_prompt_lengths
+def run_sft(config: SftConfig, resume: bool = False) -> list[dict[str, Any]]:
+    """SFT; held-out accuracy is measured by refitting a generator before each evaluation."""
+    from tandem.algorithms.sft import sft_step
+    from tandem.data.prompts import PromptSource, load_prompt_items
+    from tandem.preflight import check_prompt_lengths, check_run_inputs
     from tandem.rewards import RewardScorer
 
-    seed, data = config.algorithm.seed, config.data
+    context = check_run_inputs(config.policy, config.generation, config.data)  # before torch
+    algo, data = config.algorithm, config.data
+    config, spec = settle_runtime(config, "sft", resume, total_steps=algo.num_steps)
+    train, eval_items = load_prompt_items(data, algo.seed)
     scorer = RewardScorer(
         data.reward, data.num_reward_workers, data.reward_timeout_s, data.invalid_reward
     )
-    environment = config.environment if isinstance(config, GrpoConfig) else None
-    train, eval_items = load_prompt_items(data, seed, environment=environment)
-    with scorer, ThreadPoolExecutor(max_workers=1) as pool:
-        runtime_module = pool.submit(importlib.import_module, "tandem.cluster.runtime")
-        tokenizer = pool.submit(load_tokenizer, config.policy.model_path)
-        if spec.cluster.in_process:
-            # the workers import transformers here: not while that thread does (its lazy
-            # module is not safe to import from two threads at once)
-            tokenizer.result()
-        else:
-            from tandem.cluster.ray_cluster import init_ray
-
-            init_ray(spec.cluster.address)
-        with runtime_module.result().Runtime.start(spec) as runtime:
-            source = PromptSource(train, eval_items, tokenizer.result(), scorer, seed)
-            check_prompt_lengths(source.longest_prompts(), context, config.generation)
-            yield runtime, source
-
-
-def run_sft(config: SftConfig, resume: bool = False) -> list[dict[str, Any]]:
-    """SFT; held-out accuracy is measured by refitting a generator before each evaluation."""
-    from tandem.preflight import check_run_inputs
-
-    context = check_run_inputs(config.policy, config.generation, config.data)  # before torch
-    check_run_dir(config, "sft", resume)
-    from tandem.cluster.spec import RuntimeSpec
-    from tandem.config.models import RefitConfig
-
-    algo = config.algorithm
-    sampling = config.generation.sampling
-    spec = RuntimeSpec(
-        config.cluster, config.policy, config.generation, RefitConfig(), total_steps=algo.num_steps
-    )
-    with runtime_and_prompts(config, spec, context) as (runtime, source):
-        from tandem.algorithms.grpo import evaluate
-        from tandem.algorithms.sft import sft_step
-
-        def eval_fn() -> dict[str, float]:
-            runtime.refit()
-            return evaluate(runtime, source, config.data.num_eval_prompts, sampling)
-
-        records = run_loop(
-            config,
-            "sft",
-            runtime,
-            algo.num_steps,
-            algo.eval_every,
-            lambda step: sft_step(runtime, source, step, algo.batch_size),
-            eval_fn,
-            resume,
-        )
+    with scorer, workers(spec, config.policy.model_path) as (runtime, tokenizer):
+        source = PromptSource(train, eval_items, tokenizer, scorer, algo.seed)
+        check_prompt_lengths(source.longest_prompts(), context, config.generation)
+        with open_run(config, "sft", resume, runtime) as run:
+            if run.evaluates(0):
+                run.log(0, sft_evaluation(runtime, source, config))
+            for step in run.steps():
+                metrics = sft_step(runtime, source, step, algo.batch_size)
+                if run.evaluates(step):
+                    metrics.update(sft_evaluation(runtime, source, config))
+                run.log(step, metrics)
         if config.output_dir is not None:
             runtime.export_hf(str(config.output_dir.resolve()))
-    return records
+    return read_metrics(run.run_dir)
+
+
+def sft_evaluation(runtime: Runtime, source: Any, config: SftConfig) -> dict[str, float]:
+    """Held-out accuracy of the policy just trained, refitted into the generator."""
+    from tandem.algorithms.grpo import evaluate
+
+    runtime.refit()
+    sampling = config.generation.sampling
+    return evaluate(runtime, source, config.data.num_eval_prompts, sampling)
 
 
 def run_dpo(config: DpoConfig, resume: bool = False) -> list[dict[str, Any]]:
     """DPO / IPO on preference pairs against a frozen reference (the starting policy). Each
     evaluation scores the held-out pairs and, on the arithmetic task, refits a generator and
     measures greedy accuracy on the held-out prompts."""
-    from tandem.preflight import check_run_inputs
-
-    check_run_inputs(config.policy, config.generation, config.data)  # before torch
-    check_run_dir(config, "dpo", resume)
-    from tandem.algorithms.dpo import dpo_step, score_pairs, summary
-    from tandem.algorithms.grpo import evaluate
-    from tandem.cluster.runtime import Runtime, RuntimeSpec
-    from tandem.config.models import RefitConfig
+    from tandem.algorithms.dpo import dpo_step
     from tandem.data.preferences import load_pairs
-    from tandem.data.prompts import PromptSource, load_tokenizer
+    from tandem.data.prompts import PromptSource
+    from tandem.preflight import check_run_inputs
     from tandem.rewards import load_reward
 
-    algo, data = config.algorithm, config.data
-    train, eval_pairs, eval_prompts = load_pairs(data, algo.seed)
-    spec = RuntimeSpec(
-        config.cluster,
-        config.policy,
-        config.generation,
-        RefitConfig(),
+    check_run_inputs(config.policy, config.generation, config.data)  # before torch
+    algo = config.algorithm
+    train, eval_pairs, eval_prompts = load_pairs(config.data, algo.seed)
+    config, spec = settle_runtime(
+        config,
+        "dpo",
+        resume,
         with_reference=True,
         with_generators=bool(eval_prompts),
         total_steps=algo.num_steps,
     )
+    with workers(spec, config.policy.model_path) as (runtime, tokenizer):
+        exact_match = load_reward("exact_match")
+        pairs = PromptSource(train, eval_pairs, tokenizer, exact_match, algo.seed)
+        prompts = PromptSource(train, eval_prompts, tokenizer, exact_match, algo.seed)
+        with open_run(config, "dpo", resume, runtime) as run:
+            if run.evaluates(0):
+                run.log(0, dpo_evaluation(runtime, pairs, prompts, config))
+            for step in run.steps():
+                metrics = dpo_step(runtime, pairs, step, config.algorithm)
+                if run.evaluates(step):
+                    metrics.update(dpo_evaluation(runtime, pairs, prompts, config))
+                run.log(step, metrics)
+        if config.output_dir is not None:
+            runtime.export_hf(str(config.output_dir.resolve()))
+    return read_metrics(run.run_dir)
 
-    def eval_fn() -> dict[str, float]:
-        metrics = {}
-        if eval_pairs:
-            _, stats = score_pairs(runtime, pairs, eval_pairs, algo)
-            metrics.update(summary(stats, algo.beta, "eval"))
-        if eval_prompts:
-            runtime.refit()
-            sampling = config.generation.sampling
-            metrics.update(evaluate(runtime, prompts, len(eval_prompts), sampling))
-        return metrics
 
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        tokenizer = pool.submit(load_tokenizer, config.policy.model_path)
-        if spec.cluster.in_process:
-            tokenizer.result()  # not while the workers import transformers here
-        with Runtime.start(spec) as runtime:
-            exact_match = load_reward("exact_match")
-            pairs = PromptSource(train, eval_pairs, tokenizer.result(), exact_match, algo.seed)
-            prompts = PromptSource(train, eval_prompts, pairs.tokenizer, exact_match, algo.seed)
-            records = run_loop(
-                config,
-                "dpo",
-                runtime,
-                algo.num_steps,
-                algo.eval_every,
-                lambda step: dpo_step(runtime, pairs, step, algo),
-                eval_fn,
-                resume,
-            )
-            if config.output_dir is not None:
-                runtime.export_hf(str(config.output_dir.resolve()))
-    return records
+def dpo_evaluation(
+    runtime: Runtime, pairs: Any, prompts: Any, config: DpoConfig
+) -> dict[str, float]:
+    """The held-out pairs' loss and preference accuracy; where there are held-out prompts, the
+    greedy accuracy of the policy just trained, refitted into the generator."""
+    from tandem.algorithms.dpo import score_pairs, summary
+    from tandem.algorithms.grpo import evaluate
+
+    metrics: dict[str, float] = {}
+    if pairs.eval_items:
+        _, stats = score_pairs(runtime, pairs, pairs.eval_items, config.algorithm)
+        metrics.update(summary(stats, config.algorithm.beta, "eval"))
+    if prompts.eval_items:
+        runtime.refit()
+        sampling = config.generation.sampling
+        metrics.update(evaluate(runtime, prompts, len(prompts.eval_items), sampling))
+    return metrics

@@ -23,7 +23,7 @@ STEPS = [
     "algorithm.num_steps=4",
     "checkpoint.every=1",
     "checkpoint.keep=3",
-    "cluster.in_process=false",  # actors to kill
+    "cluster.runtime=ray",  # actors to kill
 ]
 KILLED = False
 

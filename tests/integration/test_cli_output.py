@@ -12,11 +12,11 @@ import pytest
 pytestmark = [pytest.mark.ray]
 
 
-@pytest.mark.parametrize("in_process", ["null", "false"])  # the default here; Ray actors
+@pytest.mark.parametrize("runtime", ["in_process", "ray"])
 def test_a_run_prints_its_steps_and_no_noise_from_its_processes(
-    tmp_path: Path, in_process: str
+    tmp_path: Path, runtime: str
 ) -> None:
-    command = [sys.executable, "-m", "tandem.cli", "grpo", f"cluster.in_process={in_process}"]
+    command = [sys.executable, "-m", "tandem.cli", "grpo", f"cluster.runtime={runtime}"]
     command += [
         "cluster.env_mode=shared",
         "generation.backend=hf",
@@ -33,7 +33,7 @@ def test_a_run_prints_its_steps_and_no_noise_from_its_processes(
     assert done.returncode == 0, done.stderr[-3000:]
     output = done.stdout + done.stderr
     assert "step    1  loss" in output
-    where = "in this process" if in_process == "null" else "Ray actors, colocated"
+    where = "in this process" if runtime == "in_process" else "Ray actors, colocated"
     assert f"workers: {where}" in output.replace("\n", " ")
     # the actors' weight-loading bars (which came after the last step) and nanobind's report of
     # triton objects left frozen at exit (sixty lines)

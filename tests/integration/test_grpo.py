@@ -45,13 +45,14 @@ def stable(records: list[dict]) -> list[dict]:
 
 
 def final_weights(run_dir: Path, name: str, tmp: Path) -> dict[str, torch.Tensor]:
-    from tandem.cluster.runtime import Runtime, RuntimeSpec
+    from tandem.cluster.launch import start_runtime
+    from tandem.cluster.spec import RuntimeSpec
 
     config = GrpoConfig.model_validate_json((run_dir / name / "config.json").read_text())
     spec = RuntimeSpec(
         config.cluster, config.policy, config.generation, config.refit, with_generators=False
     )
-    with Runtime.start(spec) as runtime:
+    with start_runtime(spec) as runtime:
         latest = (run_dir / name / "checkpoints" / "latest").read_text().strip()
         runtime.load_checkpoint(str(run_dir / name / "checkpoints" / latest / "trainer"))
         runtime.export_hf(str(tmp / name))
@@ -75,11 +76,11 @@ def test_placements_and_the_in_process_runtime_agree(ray_cluster, tmp_path: Path
     """Colocated actors, split actors and the in-process runtime (trainer and vLLM engine in
     this process, refit by copy) run the same run: steps, evaluation, checkpoint."""
     colocated = run_grpo(
-        small_config(tmp_path, "colocated", "algorithm.num_steps=2", "cluster.in_process=false")
+        small_config(tmp_path, "colocated", "algorithm.num_steps=2", "cluster.runtime=ray")
     )
     for name in ("split", "in_process"):
         # the default on this CPU machine: in this process
-        override = "cluster.placement=split" if name == "split" else "cluster.in_process=null"
+        override = "cluster.placement=split" if name == "split" else "cluster.runtime=auto"
         other = run_grpo(small_config(tmp_path, name, "algorithm.num_steps=2", override))
         for a, b in zip(stable(colocated), stable(other), strict=True):
             assert a.keys() == b.keys()

@@ -1,5 +1,5 @@
-"""``cluster.in_process=true`` as a user runs it: ``tandem grpo`` with the trainer and the
-generator in its own process, no Ray started (``cluster/in_process.py``)."""
+"""``cluster.runtime=in_process`` as a user runs it: ``tandem grpo`` with the trainer and the
+generator in its own process, no Ray started (``cluster/launch.py``)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ sys.exit(code)
 def _grpo(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     args = [
         "grpo",
-        "cluster.in_process=true",
+        "cluster.runtime=in_process",
         "generation.backend=hf",
         "algorithm.num_steps=3",
         "algorithm.prompts_per_step=4",
@@ -64,7 +64,7 @@ def test_a_grpo_run_in_process_starts_no_ray_and_refits_every_step(tmp_path: Pat
 def test_in_process_with_a_bad_setting_is_an_error_without_traceback(tmp_path: Path) -> None:
     out = _grpo(tmp_path, "generation.tensor_parallel_size=2")
     assert out.returncode == 2
-    assert "cluster.in_process=true needs generation.tensor_parallel_size=1" in out.stderr
+    assert "cluster.runtime=in_process needs generation.tensor_parallel_size=1" in out.stderr
     assert "Traceback" not in out.stderr
 
 
@@ -89,7 +89,7 @@ def test_resume_in_process_reproduces_the_uninterrupted_run(tmp_path: Path) -> N
 
 HEAP = """
 import ctypes, json, sys, torch
-from tandem.cluster.in_process import keep_freed_host_memory
+from tandem.cluster.launch import keep_freed_host_memory
 
 class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2, every field a size_t
     _fields_ = [(name, ctypes.c_size_t) for name in (

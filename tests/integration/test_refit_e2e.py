@@ -17,7 +17,9 @@ from safetensors.torch import load_file
 from tandem.algorithms.losses import nll_loss
 from tandem.algorithms.rollouts import rollouts_to_batch
 from tandem.assets import DEFAULT_MODEL_DIR
-from tandem.cluster.runtime import Runtime, RuntimeSpec
+from tandem.cluster.launch import start_runtime
+from tandem.cluster.runtime import Runtime
+from tandem.cluster.spec import RuntimeSpec
 from tandem.config.models import (
     ClusterConfig,
     GenerationConfig,
@@ -77,7 +79,7 @@ def _runtime(transport: str, num_trainers: int, policy: PolicyConfig = POLICY) -
         env_mode="shared",
     )
     spec = RuntimeSpec(cluster, policy, GENERATION, RefitConfig(transport=transport))
-    return Runtime.start(spec)
+    return start_runtime(spec)
 
 
 def _max_gap(a: list[Rollout], b: list[Rollout]) -> float:

@@ -10,7 +10,8 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from tandem.assets import DEFAULT_MODEL_DIR
-from tandem.cluster.runtime import KEEP_FREED_HOST_MEMORY, Runtime, RuntimeSpec
+from tandem.cluster.launch import KEEP_FREED_HOST_MEMORY, start_runtime
+from tandem.cluster.spec import RuntimeSpec
 from tandem.cluster.worker_group import WorkerError
 from tandem.config.models import ClusterConfig, GenerationConfig, PolicyConfig, RefitConfig
 from tandem.generation import SamplingParams, make_generator
@@ -41,7 +42,7 @@ def test_generate_fans_out_and_a_killed_generator_is_named(
     prompts = [local.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     expected = local.generate(prompts, GREEDY)
 
-    runtime = Runtime.start(_spec(num_generators=2))
+    runtime = start_runtime(_spec(num_generators=2))
     group_id = runtime.placement.placement_group.id.hex()
     trainer_actors = list(runtime.trainers.actors)
     assert runtime.engine_shutdown is False  # an engine on a CPU ends with its actor's kill

@@ -47,7 +47,7 @@ def _runtime(config: GrpoConfig, max_concurrency: int = 1) -> Runtime:
     generator = GeneratorWorker(
         generation=config.generation,
         model_path=str(DEFAULT_MODEL_DIR),
-        compute_thread=max_concurrency > 1,  # as Runtime.start builds them for in-flight refit
+        compute_thread=max_concurrency > 1,  # as launch_ray builds them for in-flight refit
     )
     generators = LocalGroup([generator], "generator", max_concurrency=max_concurrency)
     return Runtime(LocalGroup([trainer], "trainer"), generators)

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tandem.cluster.spec import RuntimeSpec
 from tandem.config import (
     ConfigError,
     DpoConfig,
@@ -87,45 +88,60 @@ def test_cli_config_errors_exit_nonzero_without_traceback(args: list[str], expec
     assert len(result.stderr.strip().splitlines()) <= 3
 
 
-def test_in_process_needs_one_trainer_one_generator_colocated_and_no_async() -> None:
-    with pytest.raises(ConfigError) as err:
-        load_config(
-            GrpoConfig,
-            None,
-            ["cluster.in_process=true", "cluster.num_generators=2", "cluster.placement=split"],
-        )
+def _spec(*overrides: str, in_flight_refit: bool = False) -> RuntimeSpec:
+    config = load_config(GrpoConfig, None, list(overrides))
+    parts = (config.cluster, config.policy, config.generation, config.refit)
+    return RuntimeSpec(*parts, in_flight_refit=in_flight_refit)
+
+
+@pytest.fixture
+def cpu_machine_with_vllm(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A machine with no GPU device files (append to the list to add one), vllm importable and
+    no $RAY_ADDRESS."""
+    from tandem.cluster import spec as spec_module
+
+    devices: list[str] = []
+    monkeypatch.setattr(spec_module.glob, "glob", lambda pattern: list(devices))
+    monkeypatch.setattr(spec_module, "find_spec", lambda name: object())
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return devices
+
+
+def test_in_process_names_every_misfit_and_async_needs_ray(
+    cpu_machine_with_vllm: list[str],
+) -> None:
+    spec = _spec(
+        "cluster.runtime=in_process", "cluster.num_generators=2", "cluster.placement=split"
+    )
+    with pytest.raises(ValueError) as err:
+        spec.resolve()
     message = str(err.value)
-    assert "cluster.in_process=true needs" in message
+    assert "cluster.runtime=in_process needs" in message
     assert "cluster.num_generators=1" in message and "cluster.placement=colocated" in message
     assert "num_trainers" not in message  # only what is wrong is named
-    with pytest.raises(ConfigError, match=r"cluster\.in_process=false"):
+    with pytest.raises(ConfigError, match=r"cluster\.runtime=ray"):
         load_config(
             GrpoConfig,
             None,
             [
-                "cluster.in_process=true",
+                "cluster.runtime=in_process",
                 "algorithm.max_staleness=1",
                 "algorithm.rollout_correction=token_tis",
             ],
         )
-    assert load_config(GrpoConfig, None, ["cluster.in_process=true"]).cluster.in_process
+    assert _spec("cluster.runtime=in_process").resolve().cluster.runtime == "in_process"
 
 
-def test_by_default_a_run_that_fits_one_process_runs_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_runs_in_process_where_the_run_fits(
+    cpu_machine_with_vllm: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tandem.cluster import spec as spec_module
-    from tandem.cluster.spec import RuntimeSpec
 
-    def in_process(*overrides: str, in_flight_refit: bool = False) -> bool | None:
-        config = load_config(GrpoConfig, None, list(overrides))
-        parts = (config.cluster, config.policy, config.generation, config.refit)
-        return RuntimeSpec(*parts, in_flight_refit=in_flight_refit).cluster.in_process
+    def chosen(*overrides: str, in_flight_refit: bool = False) -> str:
+        return _spec(*overrides, in_flight_refit=in_flight_refit).resolve().cluster.runtime
 
-    devices: list[str] = []  # no GPU's device files
-    monkeypatch.setattr(spec_module.glob, "glob", lambda pattern: list(devices))
-    monkeypatch.setattr(spec_module, "find_spec", lambda name: object())  # vllm importable
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert in_process() is True
-    assert in_process("cluster.in_process=false") is False
+    assert chosen() == "in_process"
+    assert chosen("cluster.runtime=ray") == "ray"
     for override in [
         "cluster.num_generators=2",
         "cluster.num_trainers=2",
@@ -133,14 +149,16 @@ def test_by_default_a_run_that_fits_one_process_runs_in_it(monkeypatch: pytest.M
         "cluster.address=10.0.0.1:6379",
         "generation.tensor_parallel_size=2",
     ]:
-        assert in_process(override) is False, override
-    assert in_process(in_flight_refit=True) is False
+        assert chosen(override) == "ray", override
+    assert chosen(in_flight_refit=True) == "ray"
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a cluster to join
-    assert in_process() is False
+    assert chosen() == "ray"
     monkeypatch.delenv("RAY_ADDRESS")
-    devices.append("/dev/nvidia0")
-    assert in_process() is False
-    devices.clear()
+    cpu_machine_with_vllm.append("/dev/nvidia0")
+    assert chosen() == "ray"
+    with pytest.raises(ValueError, match="without NVIDIA GPUs"):
+        _spec("cluster.runtime=in_process").resolve()
+    cpu_machine_with_vllm.clear()
     monkeypatch.setattr(spec_module, "find_spec", lambda name: None)  # no vllm here
-    assert in_process() is False
-    assert in_process("generation.backend=hf") is True
+    assert chosen() == "ray"
+    assert chosen("generation.backend=hf") == "in_process"

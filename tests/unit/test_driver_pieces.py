@@ -11,11 +11,11 @@ import torch
 from tandem.algorithms.rollouts import rollouts_to_batch, score_rollouts
 from tandem.config.models import CheckpointConfig, DataConfig, LoggingConfig
 from tandem.data.prompts import PromptSource, load_prompt_file
-from tandem.runs import Checkpoints
 from tandem.generation.base import Rollout
 from tandem.logging.metrics import CONSOLE_KEYS, MetricsLogger, format_console_line, read_metrics
 from tandem.logging.plots import plot_run
 from tandem.rewards import RewardError
+from tandem.runs import Checkpoints
 
 
 def jsonl(path: Path, lines: list[str]) -> Path:

@@ -20,7 +20,7 @@ from tandem.algorithms.grpo import evaluate, grpo_step
 from tandem.assets import DEFAULT_MODEL_DIR
 from tandem.cluster.actors import GeneratorWorker, TrainerWorker
 from tandem.cluster.groups import InlineGroup, LocalGroup, WorkerError
-from tandem.cluster.in_process import InProcessRuntime
+from tandem.cluster.refit import CopyRefit, TransportRefit
 from tandem.cluster.runtime import Runtime
 from tandem.config import GrpoConfig, load_config
 from tandem.data.prompts import make_prompt_source
@@ -80,9 +80,7 @@ def _config(tmp_path: Path, *overrides: str) -> GrpoConfig:
     )
 
 
-def _runtime(
-    config: GrpoConfig, log: list[str], drop_weights: bool, in_process: bool = False
-) -> Runtime:
+def _runtime(config: GrpoConfig, log: list[str], drop_weights: bool, refit: str) -> Runtime:
     trainer = RecordingTrainer(
         log,
         policy=config.policy,
@@ -93,10 +91,14 @@ def _runtime(
     generator = RecordingGenerator(
         log, drop_weights, generation=config.generation, model_path=str(DEFAULT_MODEL_DIR)
     )
-    cls, group = (InProcessRuntime, InlineGroup) if in_process else (Runtime, LocalGroup)
-    return cls(
+    # a transport refit needs groups that work at once; a copy takes any in this process
+    group, strategy = (
+        (LocalGroup, TransportRefit()) if refit == "transport" else (InlineGroup, CopyRefit())
+    )
+    return Runtime(
         group([trainer], "trainer"),
         group([generator], "generator"),
+        refit=strategy,
         memory_phases=True,
         discards_weights=drop_weights,
         with_reference=True,
@@ -119,17 +121,17 @@ STEP_PHASES = [
 ]
 
 
-@pytest.mark.parametrize("in_process", [False, True], ids=["threads", "in-process"])
+@pytest.mark.parametrize("refit", ["transport", "copy"])
 @pytest.mark.parametrize("drop_weights", [False, True], ids=["sleep-keeps", "sleep-drops"])
 def test_grpo_steps_evaluation_and_checkpoints_meet_no_offloaded_trainer(
-    tmp_path: Path, drop_weights: bool, in_process: bool
+    tmp_path: Path, drop_weights: bool, refit: str
 ) -> None:
     config = _config(tmp_path)
     source = make_prompt_source(
         config.data, config.policy.model_path, load_reward(config.data.reward), seed=0
     )
     log: list[str] = []
-    with _runtime(config, log, drop_weights, in_process) as runtime:
+    with _runtime(config, log, drop_weights, refit) as runtime:
         trainer = runtime.trainers.workers[0]  # type: ignore[attr-defined]
         for step in (1, 2, 3):
             metrics = grpo_step(
@@ -202,7 +204,7 @@ def test_start_groups_overlaps_the_kinds_and_cleans_up_after_a_failure(parallel:
     from threading import Barrier
 
     from tandem.cluster.groups import LocalGroup
-    from tandem.cluster.runtime import start_groups
+    from tandem.cluster.launch import start_groups
 
     barrier = Barrier(2, timeout=5)
     shut: list[str] = []

@@ -46,10 +46,10 @@ from typing import TYPE_CHECKING
 from tandem.algorithms.grpo import Groups, rollout_params, score, train_on_groups
 from tandem.algorithms.protocols import PipelinedRuntime
 from tandem.config.models import GrpoConfig
+from tandem.contracts import PendingGeneration
 from tandem.data.prompts import PromptSource
 
 if TYPE_CHECKING:
-    from tandem.cluster.runtime import PendingGeneration
     from tandem.generation.base import SamplingParams
 
 

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.algorithms.protocols import Count, Metrics, RolloutRuntime
+from tandem.algorithms.protocols import RolloutRuntime
 from tandem.config.models import DpoAlgorithmConfig
+from tandem.contracts import Count, Metrics
 from tandem.data.batch import TrainBatch
 from tandem.data.preferences import Pair, preference_batch
 from tandem.data.prompts import PromptSource

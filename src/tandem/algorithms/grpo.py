@@ -28,9 +28,10 @@ from tandem.algorithms.multiturn import (
     episode_rollout,
     run_episodes,
 )
-from tandem.algorithms.protocols import LossFn, RolloutRuntime
+from tandem.algorithms.protocols import RolloutRuntime
 from tandem.algorithms.rollouts import rollouts_to_batch, score_rollouts
 from tandem.config.models import GrpoConfig, SamplingConfig
+from tandem.contracts import LossFn
 from tandem.data.batch import TrainBatch
 from tandem.data.prompts import PromptSource
 from tandem.data.turns import TurnEncoder

@@ -2,7 +2,7 @@
 
 ``RolloutRuntime`` is what a step function (``grpo_step``, ``evaluate``, ``sft_step``) may call;
 ``tandem.cluster.runtime.Runtime`` satisfies it structurally, over Ray actors or plain workers in
-one process. ``LossFn`` is the contract of every loss the trainer minimises (``losses.py``).
+one process. The types they pass (``LossFn``, ``PendingGeneration``) live in ``tandem.contracts``.
 """
 
 from __future__ import annotations
@@ -12,31 +12,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from tandem.cluster.runtime import PendingGeneration
+    from tandem.contracts import LossFn, PendingGeneration
     from tandem.data.batch import TrainBatch
     from tandem.generation.base import Rollout, SamplingParams
-
-Count = int | float
-
-Metrics = dict[str, "torch.Tensor"]
-
-
-class LossFn(Protocol):
-    """``loss, metrics = loss_fn(logprobs, micro_batch, num_global_tokens, num_global_sequences)``
-
-    ``logprobs`` ``[b, T]`` carries the gradient; the counts are over the whole batch (every
-    micro-batch and data-parallel rank), and the loss is already divided by them, so losses and
-    metrics summed over micro-batches and ranks give the full-batch values. ``entropy`` (with
-    grad) is passed when the trainer computes it."""
-
-    def __call__(
-        self,
-        logprobs: torch.Tensor,
-        micro_batch: TrainBatch,
-        num_global_tokens: Count,
-        num_global_sequences: Count,
-        entropy: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, Metrics]: ...
 
 
 class RolloutRuntime(Protocol):

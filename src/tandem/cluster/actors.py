@@ -18,14 +18,9 @@ import torch
 
 from tandem.config.models import GenerationConfig, PolicyConfig, RefitConfig, generator_dtype
 from tandem.data.batch import TrainBatch
+from tandem.tensors.devices import default_device
 
 T = TypeVar("T")
-
-
-def default_device(local_rank: int = 0) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -98,7 +93,7 @@ class TrainerWorker:
         return self.weights.send()
 
     def weight_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """What ``send_weights`` sends, for a generator in this process (``cluster.in_process``)."""
+        """What ``send_weights`` sends, for a generator in this process (the in-process launcher)."""
         return self.weights.stream()
 
     def save_checkpoint(self, path: str) -> None:

@@ -3,7 +3,7 @@
 ``WorkerGroup`` (``worker_group.py``) runs each worker in a Ray actor; ``LocalGroup`` holds plain
 worker objects and calls them in threads, so a whole ``Runtime`` (memory phases, refit through
 the real transports) runs in one process for tests and tools; ``InlineGroup`` calls them on the
-caller's thread (``cluster.in_process``). No ray import here.
+caller's thread (the in-process launcher). No ray import here.
 """
 
 from __future__ import annotations
@@ -24,12 +24,15 @@ class WorkerError(RuntimeError):
 
 class Group(Protocol):
     """N workers of one kind; ``run*`` call a method on every rank (``per_rank``: with its own
-    arguments) and return the results in rank order; ``run_async`` / ``run_per_rank_async`` +
-    ``get`` let two groups work at once (a refit's sender and receivers, async GRPO's generators
-    and trainers)."""
+    arguments) and return the results in rank order; ``run_async`` / ``run_per_rank_async``
+    start a call and ``get`` returns its results. Where ``concurrent``, ``run_async`` returns
+    before the call ends, so two groups work at once (a transport refit's sender and
+    receivers, async GRPO's generators and trainers); otherwise it returns once the call has
+    run, and its caller must not need the overlap."""
 
     kind: str
     num_workers: int
+    concurrent: bool
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
 
@@ -72,6 +75,7 @@ class LocalGroup:
             raise ValueError(f"a {kind} group needs at least one worker")
         self.workers = list(workers)
         self.kind, self.num_workers = kind, len(self.workers)
+        self.concurrent = True
         self._threads = self.num_workers * max_concurrency
         self._pool: ThreadPoolExecutor | None = None  # at the first call
 
@@ -141,14 +145,14 @@ def get_together(calls: Sequence[tuple[Group, Any]], poll_s: float = 0.5) -> lis
 
 class InlineGroup(LocalGroup):
     """Plain worker objects called on the caller's thread: ``run_async`` returns once the call
-    has run. Two groups never overlap (a refit's sender and receivers cannot meet: the
-    in-process runtime refits by a copy). All torch work stays on one thread, as it should on
-    a CPU: once a second thread has run OpenMP regions, both threads' small ops slow down
-    (libgomp keeps a team per such thread); a trainer step of the embedded model took 55 ms
-    after that against 24 ms before, on 2 cores."""
+    has run (not ``concurrent``: two groups never overlap, so the in-process launcher refits
+    by a copy, ``refit.CopyRefit``). All torch work stays on one thread, as it should on a CPU:
+    once a second thread has run OpenMP regions, both threads' small ops slow down (libgomp
+    keeps a team per such thread; figures in docs/architecture.md)."""
 
     def __init__(self, workers: Sequence[Any], kind: str):
         super().__init__(workers, kind)  # its thread pool is never made: nothing runs elsewhere
+        self.concurrent = False
 
     def _submit(self, method: str, calls: Sequence[tuple[Sequence[Any], dict[str, Any]]]) -> Any:
         futures: list[Future[Any]] = []

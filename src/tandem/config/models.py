@@ -43,33 +43,17 @@ class ClusterConfig(Section):
     """Longest wait for one call on the trainers or generators (a generate, a train step, a
     checkpoint); past it the run stops with an error naming the actor and the method. None
     waits forever."""
-    in_process: bool | None = None
-    """Run the trainer and the generator in the driver's process, on its thread, instead of in
-    Ray actors: no Ray, no actor environments (this interpreter must hold the trainer's and
-    the generator's dependencies), a refit is a copy from one to the other. One trainer, one
-    generator, colocated, CPU machines only; for small models, where separate processes cost
-    more than they give (docs/performance.md). threads_per_actor, when set, is this process's
-    torch thread count; env_mode, cpus_per_actor, gpus_per_actor and call_timeout_s do not
-    apply (there are no actors to place or to wait for). None (the default): in this process
-    where the run fits it (those conditions, no cluster to join, generation.tensor_parallel_size
-    =1, no NVIDIA device on this machine, vllm importable here when generation.backend=vllm),
-    else Ray actors; false: always Ray actors."""
-
-    def in_process_needs(self) -> list[str]:
-        """What this section would have to change to run in one process ([] if nothing)."""
-        problems = [
-            (self.num_trainers != 1, "cluster.num_trainers=1"),
-            (self.num_generators != 1, "cluster.num_generators=1"),
-            (self.placement != "colocated", "cluster.placement=colocated"),
-            (self.address is not None, "no cluster.address (there is no Ray cluster to join)"),
-        ]
-        return [fix for bad, fix in problems if bad]
-
-    @model_validator(mode="after")
-    def _in_process_alone(self) -> ClusterConfig:
-        if self.in_process and (needs := self.in_process_needs()):
-            raise ValueError("cluster.in_process=true needs " + ", ".join(needs))
-        return self
+    runtime: Literal["auto", "ray", "in_process"] = "auto"
+    """Where the workers run. ray: Ray actors, each kind in its own environment (env_mode),
+    placed as placement says. in_process: the trainer and the generator in the driver's process,
+    on its thread: no Ray, no actor environments (this interpreter must hold the trainer's and
+    the generator's dependencies), a refit is a copy from one to the other; one trainer, one
+    generator, colocated, CPU machines only, for small models where separate processes cost
+    more than they give (threads_per_actor, when set, is this process's torch thread count;
+    env_mode, cpus_per_actor, gpus_per_actor and call_timeout_s do not apply). auto (the
+    default): in_process where the run fits it (also: no $RAY_ADDRESS, no NVIDIA device, vllm
+    importable here when generation.backend=vllm), else ray. Resolved before the run starts;
+    the run's saved config names the one it used."""
 
 
 class OptimizerConfig(Section):
@@ -425,8 +409,8 @@ class GrpoConfig(Section):
             (algo.refill_rounds > 0, "algorithm.refill_rounds=0 (refills are not pipelined)"),
             (self.environment is not None, "no environment section (episodes are not pipelined)"),
             (
-                self.cluster.in_process,
-                "cluster.in_process=false (one thread does one thing at a time)",
+                self.cluster.runtime == "in_process",
+                "cluster.runtime=ray (one thread does one thing at a time)",
             ),
         ]
         needs = [fix for bad, fix in problems if bad]

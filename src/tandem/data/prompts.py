@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tandem.config.models import DataConfig, EnvironmentConfig
-
-RewardFn = Callable[[str, str, str], float]
+from tandem.contracts import RewardFn
 
 
 class PromptSource:

@@ -32,10 +32,10 @@ from torch import nn
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
 from tandem.generation.packed_linear import pack_linears
 from tandem.tensors import TargetRuns, device_copies
+from tandem.tensors.devices import DTYPES
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 COMPACT_AT = 0.75
 """The CPU decode drops its stopped rows (their KV cache with them) once the rows still
@@ -148,10 +148,10 @@ class HfGenerator(Generator):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         super().__init__()
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)} (got {dtype!r})")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} (got {dtype!r})")
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
         if self.device.type == "cpu" and self.model.config._attn_implementation == "sdpa":
             from tandem.attention import register_cpu_gqa_sdpa
 

@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Protocol
 
-
-class RewardFn(Protocol):
-    """Scores one sample: the prompt text, the generated response text and the reference
-    answer of the dataset row. Returns a float (1.0 / 0.0 for verifiers)."""
-
-    def __call__(self, prompt: str, response: str, answer: str) -> float: ...
+from tandem.contracts import RewardFn
 
 
 class RewardError(ValueError):

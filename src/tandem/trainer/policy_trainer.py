@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tandem.attention import full_attention_only
 from tandem.checkpoint import Ranks, TrainState, hf_export, sharded
 from tandem.config.models import PolicyConfig
+from tandem.contracts import LossFn
 from tandem.data.batch import TrainBatch
 from tandem.data.packing import (
     MICRO_BATCH_OVERHEAD,
@@ -27,6 +28,7 @@ from tandem.data.packing import (
     trimmed,
     unpack,
 )
+from tandem.tensors.devices import DTYPES, default_device
 from tandem.trainer.logprobs import LogprobModel
 from tandem.trainer.offload import HostPool, move_state, offload_bytes
 from tandem.trainer.parallelize import (
@@ -38,15 +40,6 @@ from tandem.trainer.parallelize import (
 )
 from tandem.trainer.schedule import build_optimizer
 from tandem.trainer.weights import full_tensor, hf_state
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-def default_device(rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device("cpu")
 
 
 def shared_prompt_cost(lm: Any) -> float | None:

@@ -1,0 +1,16 @@
+"""Dtypes by config name and the device a worker rank computes on, for every worker kind."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The torch dtype of each dtype name a config may give."""
+
+
+def default_device(rank: int = 0) -> torch.device:
+    """The CUDA device of local rank ``rank`` (ranks wrap around the visible devices), else the
+    CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
