@@ -54,14 +54,12 @@ def workers(spec: RuntimeSpec, model_path: Path) -> Iterator[tuple[Runtime, Any]
     with ThreadPoolExecutor(max_workers=1) as pool:
         launch = pool.submit(importlib.import_module, "tandem.cluster.launch")
         tokenizer = pool.submit(load_tokenizer, model_path)
-        if spec.cluster.runtime == "in_process":
-            # the workers import transformers here: not while that thread does (its lazy
-            # module is not safe to import from two threads at once)
-            tokenizer.result()
-        else:
+        if spec.cluster.runtime == "ray":
             from tandem.cluster.ray_cluster import init_ray
 
             init_ray(spec.cluster.address)
+        else:  # the workers import transformers in this thread: not while that one does (its
+            tokenizer.result()  # lazy module is not safe to import from two threads at once)
         with launch.result().start_runtime(spec) as runtime:
             yield runtime, tokenizer.result()
 

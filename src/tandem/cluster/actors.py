@@ -93,7 +93,7 @@ class TrainerWorker:
         return self.weights.send()
 
     def weight_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """What ``send_weights`` sends, for a generator in this process (the in-process launcher)."""
+        """What ``send_weights`` sends, for a generator in this process (``CopyRefit``)."""
         return self.weights.stream()
 
     def save_checkpoint(self, path: str) -> None:

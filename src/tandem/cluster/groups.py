@@ -3,7 +3,7 @@
 ``WorkerGroup`` (``worker_group.py``) runs each worker in a Ray actor; ``LocalGroup`` holds plain
 worker objects and calls them in threads, so a whole ``Runtime`` (memory phases, refit through
 the real transports) runs in one process for tests and tools; ``InlineGroup`` calls them on the
-caller's thread (the in-process launcher). No ray import here.
+caller's thread (a run in the driver's process). No ray import here.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def get_together(calls: Sequence[tuple[Group, Any]], poll_s: float = 0.5) -> lis
 
 class InlineGroup(LocalGroup):
     """Plain worker objects called on the caller's thread: ``run_async`` returns once the call
-    has run (not ``concurrent``: two groups never overlap, so the in-process launcher refits
+    has run (not ``concurrent``: two groups never overlap, so a run in this process refits
     by a copy, ``refit.CopyRefit``). All torch work stays on one thread, as it should on a CPU:
     once a second thread has run OpenMP regions, both threads' small ops slow down (libgomp
     keeps a team per such thread; figures in docs/architecture.md)."""

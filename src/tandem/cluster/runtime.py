@@ -57,10 +57,9 @@ class _Phase:
 
 
 class Runtime:
-    """Worker groups of one run, as the algorithm calls them (``RolloutRuntime``). The
-    launchers (``cluster.launch``) build one: Ray actors or workers in this process; tests and
-    tools may build one from any ``Group``s, e.g. ``LocalGroup`` of plain workers.
-    ``close()`` (or a ``with`` block) shuts them down.
+    """Worker groups of one run, as the algorithm calls them (``RolloutRuntime``), built by a
+    launcher (``cluster.launch``) or, in tests and tools, from any ``Group``s (``LocalGroup``
+    of plain workers). ``close()`` (or a ``with`` block) shuts them down.
 
     ``refit``: how weights reach the generators (``cluster.refit``; default the transport).
     ``memory_phases`` turns on the colocated-GPU phases (module docstring); ``discards_weights``:
@@ -84,9 +83,7 @@ class Runtime:
     ):
         self.trainers, self.generators = trainers, generators
         self._refit = refit if refit is not None else TransportRefit()
-        self.engine_shutdown = engine_shutdown
-        """``close()`` shuts the generators' engines down before the groups (off where killing
-        a worker ends its engine with it)."""
+        self.engine_shutdown = engine_shutdown  # off where killing a worker ends its engine
         self.memory_phases = memory_phases
         self.discards_weights = discards_weights
         self.with_reference = with_reference

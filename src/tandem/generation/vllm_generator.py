@@ -148,7 +148,7 @@ class VllmGenerator(Generator):
             model_path, config, dtype, seed, on_cpu=_on_cpu(), max_model_len=max_model_len
         )
         self.llm = LLM(**kwargs)
-        self._in_process = config.tensor_parallel_size == 1
+        self._engine_here = config.tensor_parallel_size == 1
         self._sleeping: set[str] = set()
         self._labelled = -1
         """The weight version the engine labels its outputs with (set before a step)."""
@@ -244,7 +244,7 @@ class VllmGenerator(Generator):
     def load_weights(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
         # In-process the iterator reaches the worker as is (streamed); across processes the
         # call arguments are pickled, so the stream has to be materialised.
-        weights = stream if self._in_process else list(stream)
+        weights = stream if self._engine_here else list(stream)
         self.llm.collective_rpc("tandem_load_weights", args=(weights,))
         self.reset_prefix_cache()
 
