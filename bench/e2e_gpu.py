@@ -16,6 +16,9 @@ median step of each run and the ratio tandem / TRL (TRL's ``--bf16`` matches
 
     PYTHONPATH=.gpu/site:src:bench python bench/e2e_gpu.py [--shapes 0.5b 1.5b] [--steps 6]
         [--mixed-precision] [--kl-coef 0.0] [--trl --rounds 2] [--set KEY=VALUE ...]
+
+(``.gpu/site``: Ray, pydantic and TRL from ``scripts/offline_bundle.sh`` on a GPU machine without
+a network; docs/gpu.md.)
 """
 
 from __future__ import annotations

@@ -2,13 +2,14 @@
 # Everything tandem measures on a GPU, in one go (one device call): the GPU tests, then the
 # benchmarks. Figures go to $OUT/figures.jsonl (one JSON line each), logs beside them.
 #   bash bench/gpu_suite.sh            (OUT defaults to ./gpu-out)
+# On a machine without pydantic or Ray it installs the offline bundle in .gpu/ first
+# (scripts/offline_bundle.sh, docs/gpu.md).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-if ! python3 -c "import pydantic" 2>/dev/null; then  # the GPU image has no pydantic
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
+if ! python3 -c "import pydantic, ray" 2>/dev/null; then
+  [ -d .gpu/site ] || bash .gpu/unpack.sh || { echo "no .gpu/: run scripts/offline_bundle.sh"; exit 2; }
+  export PYTHONPATH=$PWD/.gpu/site${PYTHONPATH:+:$PYTHONPATH} RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
 fi
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 BENCH_JSONL=$OUT/figures.jsonl
 export TANDEM_BENCH_DIR=${TANDEM_BENCH_DIR:-/tmp/tandem-bench}

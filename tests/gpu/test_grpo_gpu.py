@@ -7,6 +7,9 @@ digits in its answer). Per step the run's own metrics must show: the trainer lef
 device after its offload; its peak during the refit stayed within its resident state + the two
 refit buckets + the largest cast tensor; the generator/trainer logprob mismatch stayed at its
 step-1 level (fp32: <= 1e-5; bf16 compute: <= 1e-2).
+
+On a GPU machine without a network, Ray and pydantic come from ``scripts/offline_bundle.sh``
+(docs/gpu.md).
 """
 
 from __future__ import annotations
