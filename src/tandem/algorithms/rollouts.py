@@ -38,7 +38,8 @@ def rollouts_to_batch(rollouts: Sequence[Rollout], pad_token_id: int) -> TrainBa
     generated ones of a multi-turn episode: ``Rollout.response_mask``)."""
     lengths = [len(r.prompt_token_ids) + len(r.response_token_ids) for r in rollouts]
     width = max(lengths)
-    # rows as Python lists, one tensor each: a tensor per row and field cost 1.5 ms a step
+    # rows as Python lists, one tensor each: a tensor per row and field cost 5x as much
+    # (docs/benchmarks/2026-12-05-cpu-e2e-amd.md)
     ids, trained, logprobs = [], [], []
     for rollout, end in zip(rollouts, lengths, strict=True):
         prompt, response = rollout.prompt_token_ids, rollout.response_token_ids

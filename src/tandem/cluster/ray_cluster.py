@@ -51,8 +51,8 @@ def init_ray(address: str | None = None, num_cpus: float | None = None) -> None:
             _node_ip_address=LOOPBACK,
             include_dashboard=False,
             # Ray starts one idle worker per CPU in the driver's environment for the first
-            # driver; our actors run in their own environments and never use them (3 CPU-s of
-            # imports on a 2-core machine, during the actors' start).
+            # driver; our actors run in their own environments and never use them, and their
+            # imports slow the actors' start (docs/benchmarks/2026-12-04-cpu-e2e.md).
             _system_config={"prestart_worker_first_driver": False},
         )
 

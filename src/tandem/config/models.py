@@ -186,8 +186,9 @@ class RefitConfig(Section):
     standalone process group: NCCL / gloo). auto follows cluster.placement."""
     bucket_bytes: int | None = Field(None, ge=2**16)
     """Size of one refit bucket; two alternate so packing overlaps sending. None picks by the
-    trainer's device: 64 MiB on CPU, 512 MiB on GPU, where larger buckets refit 2-3x faster
-    (docs/performance.md). The two buckets are never larger than the model needs."""
+    trainer's device: 64 MiB on CPU, 512 MiB on GPU, where small buckets leave a refit to
+    per-bucket signals and launches (docs/benchmarks/2026-12-03-gpu-refit-offload-mfu.md). The
+    two buckets are never larger than the model needs."""
     logprob_mismatch_alarm: float = Field(0.05, gt=0)
     """Warn when mean |generator - trainer| token logprob exceeds this after a refit."""
     timeout_s: float = Field(300.0, gt=0)

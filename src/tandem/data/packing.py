@@ -84,10 +84,9 @@ def trimmed(batch: TrainBatch) -> TrainBatch:
 
 MICRO_BATCH_OVERHEAD = {"cpu": 128, "cuda": 4096}
 """A micro-batch's fixed cost in tokens of compute, by device type (``policy.
-micro_batch_overhead`` overrides). On the 2-core CPU one more micro-batch of the same tokens
-took 9 ms with the embedded model (57 us a token: 160 tokens) and 44-59 ms with a 21M-parameter
-one (0.73 ms a token: 60-80 tokens). A GPU runs a token in microseconds and a micro-batch's
-kernel launches in milliseconds."""
+micro_batch_overhead`` overrides), measured on a 2-core CPU by splitting the same tokens into
+more micro-batches (60-160 tokens' worth; figures: docs/benchmarks/2026-12-05-cpu-e2e-amd.md).
+A GPU runs a token in microseconds and a micro-batch's kernel launches in milliseconds."""
 
 
 def plan_micro_batches(

@@ -60,9 +60,10 @@ class PromptSource:
         return out
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
-        """The seeded permutation of epoch ``epoch`` (the last one is kept: drawing it took
-        0.5 ms per prompt, 4 ms of the embedded task's 0.15 s step). It depends on the seed,
-        the epoch and the number of items only, which key it."""
+        """The seeded permutation of epoch ``epoch`` (the last one is kept: drawing it for every
+        prompt cost a visible share of the embedded task's step; figures:
+        docs/benchmarks/2026-12-04-cpu-e2e.md). It depends on the seed, the epoch and the
+        number of items only, which key it."""
         key = (self.seed, epoch, len(self.train))
         if self._order is None or self._order[0] != key:
             order = np.random.default_rng([self.seed, epoch]).permutation(len(self.train))

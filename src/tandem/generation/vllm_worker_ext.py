@@ -7,8 +7,9 @@ layers' size again in memory), ``model.load_weights`` copies into them and every
 MiB or more is packed anew; smaller float32 ones multiply their weight as it is (``CpuGemms``).
 Everything else (GPUs, quantised models, other layer kinds) loads with the worker's
 ``reload_weights(weights_iterator=...)``, vLLM's layerwise reload, which re-creates and
-re-processes every layer: a refit of the embedded model takes 17 ms through it, 6 ms in place
-(``bench/vllm_refit.py``; docs/architecture.md, "vLLM's receive path").
+re-processes every layer and costs the embedded model's refit about three times the in-place
+load (``bench/vllm_refit.py``; docs/architecture.md, "vLLM's receive path"; figures:
+docs/benchmarks/2026-12-05-cpu-in-process.md).
 
 FP8 KV-cache scales (``model.layers.{i}.self_attn.attn.{q,k,v}_scale``, from
 ``tandem.quant.append_kv_scales``) are taken out of the stream and written into the attention
@@ -160,11 +161,10 @@ class CpuGemms:
         float32 weight under ``PACK_MIN_BYTES`` is multiplied as it is (``F.linear``), which
         needs no packing after a load.
 
-        Packing a GEMM costs 0.15-0.2 ms below 1 MiB (``ops.create_onednn_mm``), 0.3-0.7 ms
-        above; on a 64-row decode step oneDNN's packed product wins from 1 MiB up (2 MiB:
-        182 against 251 us) and ties below 0.5 MiB (384 x 128: 24.5 against 22.2 us), where
-        the embedded model's 17 GEMMs all are (Intel Xeon, 2 threads). Its in-place refit:
-        9.3-9.4 ms with every GEMM repacked, 5.6-6.1 ms so (``bench/vllm_refit.py``)."""
+        Packing a GEMM costs more than it saves below 0.5 MiB: on a decode step oneDNN's
+        packed product wins from 1 MiB up and ties below, where the embedded model's GEMMs
+        all are, so skipping their repack shortens its in-place refit by about a third
+        (``bench/vllm_refit.py``; figures: docs/benchmarks/2026-12-05-cpu-in-process.md)."""
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
         for layer in self.layers.values():

@@ -73,8 +73,8 @@ class RewardScorer:
     ``num_workers >= 1`` scores in that many spawned processes, each sample cut off after
     ``timeout_s``; 0 scores in this process (``fn`` may then be any callable, e.g. in tests).
     The built-in rewards that cannot hang (``BOUNDED_REWARDS``) are always scored in this
-    process: a worker's round trip costs more than they do (64 exact-match samples: 4 ms
-    through two workers, 0.1 ms here), and no pool is started for them.
+    process: a worker's round trip costs more than they do (figures:
+    docs/benchmarks/2026-12-05-cpu-e2e-amd.md), and no pool is started for them.
     """
 
     def __init__(

@@ -1,8 +1,9 @@
 """Copying many tensors on a device: how they are laid out, and how a batch of them is copied.
 
-A refit copies a few hundred tensors per bucket. One launch per copy is bound by the CPU: on an
-H200 a launch costs ~5-10 µs of Python and driver time, while copying a 1.5B model's median
-tensor takes ~2 µs. Two things keep the launches few:
+A refit copies a few hundred tensors per bucket. One launch per copy is bound by the CPU: on a
+GPU a launch costs more Python and driver time than copying a 1.5B model's median tensor takes
+(figures: docs/benchmarks/2026-12-03-gpu-refit-offload-mfu.md). Two things keep the launches
+few:
 
 - ``device_copies`` lays tensors out back to back in one allocation, in order, each at an
   ``ALIGN_BYTES`` boundary: the layout of a packed bucket. ``onload()`` lays a trainer's

@@ -46,8 +46,9 @@ CPU = torch.device("cpu")
 class HostPool:
     """Pinned host memory for a trainer's offloads, pinned ahead of the first one.
 
-    Pinning is what makes a first offload slow (2.1 GB/s against ~50 for later ones, measured
-    on the H200): ``cudaHostAlloc`` locks every page. ``start()`` pins one buffer of the
+    Pinning is what makes a first offload slow (a few GB/s against the ~50 of later ones on an
+    H200; figures: docs/benchmarks/2026-12-03-gpu-refit-offload-mfu.md): ``cudaHostAlloc``
+    locks every page. ``start()`` pins one buffer of the
     expected size in a background thread while the trainer has other work (loading, the first
     generation); every offload then carves its host copies from it. Each offload moves the
     whole state and each onload moves all of it back, so an offload always starts with the

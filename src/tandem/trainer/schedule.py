@@ -46,8 +46,8 @@ def build_optimizer(
         betas=config.betas,
         eps=config.eps,
         weight_decay=config.weight_decay,
-        # one kernel over all parameters: the tiny model's step 2.1 -> 0.45 ms on this CPU
-        # (per-tensor loops were torch's default off CUDA), torchtitan's default on GPUs
+        # one kernel over all parameters instead of torch's per-tensor loop off CUDA (figures:
+        # docs/benchmarks/2026-12-05-cpu-e2e-amd.md); torchtitan's default on GPUs
         fused=True,
     )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config, total_steps))

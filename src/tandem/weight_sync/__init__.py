@@ -49,9 +49,9 @@ _T = TypeVar("_T")
 
 DEFAULT_BUCKET_BYTES = {"cpu": 64 * 2**20, "cuda": 512 * 2**20}
 """``refit.bucket_bytes`` when unset, by the trainer's device type. On a 2-core CPU 64 MiB
-was the fastest of 16 MiB - 1 GiB (`bench/refit.py`); on an H200 512 MiB refits a 1.5B / 8B
-model 2-3x faster than 64 MiB, where per-bucket signals and kernel launches dominate
-(`bench/refit_gpu.py`, docs/performance.md)."""
+was the fastest of 16 MiB - 1 GiB (`bench/refit.py`); on a GPU small buckets leave a refit to
+per-bucket signals and kernel launches (`bench/refit_gpu.py`; figures:
+docs/benchmarks/2026-12-03-gpu-refit-offload-mfu.md)."""
 
 
 def bucket_bytes_for(config: RefitConfig, device: torch.device) -> int:

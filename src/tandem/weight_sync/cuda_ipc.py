@@ -2,7 +2,8 @@
 its bucket buffers and the live tensors it lets receivers read in place.
 
 torch shares CUDA memory per storage (``reduce_tensor``): each shared tensor costs the receiver
-a handle to open (~35 µs) and close (~23 µs) whatever its size, torch re-wraps the storage of
+a handle to open and close whatever its size (more than copying a small tensor takes; figures:
+docs/benchmarks/2026-12-03-gpu-refit-offload-mfu.md), torch re-wraps the storage of
 every tensor it shares, and a shared block stays allocated until the receiver has rebuilt *and*
 released it — a receiver that never maps it leaks it. A trainer's parameters after ``onload()``
 are carved from a handful of allocator segments, so the refit shares *segments* instead: the
