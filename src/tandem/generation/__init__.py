@@ -17,12 +17,16 @@ if TYPE_CHECKING:
 def make_generator(
     config: GenerationConfig, model_path: str | Path, device: str = "cpu", dtype: str = "float32"
 ) -> Generator:
-    """The generator ``config.backend`` names, loaded from the Hugging Face folder."""
-    if config.backend == "hf":
+    """The generator ``config.backend`` names (``auto`` decided for this machine), loaded from
+    the Hugging Face folder."""
+    from tandem.machine import generator_backend
+
+    backend = generator_backend(config)
+    if backend == "hf":
         from tandem.generation.hf_generator import HfGenerator
 
         return HfGenerator(model_path, device=device, dtype=dtype)
-    if config.backend == "vllm":
+    if backend == "vllm":
         from tandem.generation.vllm_generator import VllmGenerator
 
         return VllmGenerator(model_path, config, dtype=dtype)

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tandem.config.models import LoggingConfig
+from tandem.logging.console import terminal
 
 CONSOLE_KEYS = {
     "train/loss": "loss",
@@ -31,7 +32,7 @@ class MetricsLogger:
 
     def __init__(self, config: LoggingConfig, run_dir: Path, total_steps: int, start_step: int = 0):
         self.run_dir = run_dir
-        self.console = Console(stderr=True)
+        self.console = Console(file=terminal())
         self._jsonl = (run_dir / "metrics.jsonl").open("a")
         self._tensorboard = _tensorboard_writer(run_dir) if config.tensorboard else None
         self._wandb = _wandb_run(config, run_dir)

