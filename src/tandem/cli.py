@@ -186,9 +186,9 @@ def entry() -> NoReturn:
     """The ``tandem`` command: ``main()``, then the exit without the interpreter's teardown.
 
     The exit handlers run (Ray's, logging's flush, temporary files' cleanup); what is skipped is
-    freeing every module's objects one by one: 1.1 s after a GRPO run (the heaps of torch,
-    transformers and Ray), for nothing, since every file a command writes is closed before
-    ``main`` returns."""
+    freeing every module's objects one by one (the heaps of torch, transformers and Ray: about
+    a second, docs/benchmarks/2026-12-05-cpu-e2e-intel.md), for nothing, since every file a
+    command writes is closed before ``main`` returns."""
     code = main()
     atexit._run_exitfuncs()
     sys.stdout.flush()

@@ -44,8 +44,8 @@ def _freeze() -> None:
     collection skips frozen objects, so cycles frozen with the start heap outlive it: triton's
     (imported by ``torch._dynamo``, which transformers imports) then made nanobind print about
     sixty "leaked instance/type/function" lines at the end of every command and test run.
-    Unfrozen, they are collected: the exit takes about 0.55 s more (0.15 -> 0.70 s for
-    ``transformers.masking_utils``' heap on this machine)."""
+    Unfrozen, they are collected, at the price of a slower exit (figures:
+    docs/benchmarks/2026-12-05-cpu-e2e-intel.md)."""
     global _unfreeze_at_exit
     gc.freeze()
     if not _unfreeze_at_exit:
@@ -78,8 +78,9 @@ def without_gc() -> Iterator[None]:
 
     Importing torch, transformers and vLLM allocates about 700,000 objects that live as long as
     the process. With the collector on, its full passes walk that growing heap again and again
-    (1.3-1.5 s of vLLM's 6.5 s import on a 2-core machine), and every later ``gc.collect()``
-    walks it once more (vLLM calls it five times while its engine starts: 1.3 s of 2.3 s).
+    (a fifth of vLLM's import on a 2-core machine), and every later ``gc.collect()`` walks it
+    once more (vLLM calls it five times while its engine starts; figures:
+    docs/benchmarks/2026-12-04-cpu-e2e.md).
     ``gc.freeze()`` moves everything alive at the end into the permanent generation, which
     collections skip; objects made afterwards are collected as usual. The collector is left as
     it was found (on, unless the caller had turned it off)."""

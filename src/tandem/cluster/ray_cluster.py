@@ -61,10 +61,11 @@ def shutdown_ray() -> None:
     """``ray.shutdown()`` now, the autoscaler monitor of a cluster this process started first.
 
     Ray's shutdown stops the GCS before the monitor, whose SIGTERM handler then reports its end
-    to the stopped GCS until Ray kills it a second later: 1.0 s of every run's exit, where a
-    SIGKILL first costs nothing (the monitor keeps no state of a local cluster's). Called before
-    the interpreter's exit, Ray's shutdown also skips the 0.5 s it sleeps there for late log
-    lines. A joined cluster is left running (only this driver disconnects)."""
+    to the stopped GCS until Ray kills it a second later, on every run's exit, where a SIGKILL
+    first costs nothing (the monitor keeps no state of a local cluster's). Called before the
+    interpreter's exit, Ray's shutdown also skips the sleep it takes there for late log lines
+    (figures: docs/benchmarks/2026-12-05-cpu-e2e-intel.md). A joined cluster is left running
+    (only this driver disconnects)."""
     node = getattr(ray._private.worker, "_global_node", None)
     if node is not None and node.is_head():
         node.kill_monitor(check_alive=False)

@@ -170,8 +170,9 @@ def _micro_batch(
 
 CUT_RESOLUTION = 256
 """``_cut_by_length`` weighs cuts between lengths that differ by 1/256 of the longest, so its
-dynamic program has at most 257 runs, however many sequences and lengths (4096 sequences of up
-to 8192 tokens: 0.6-1.3 s with every distinct length a run)."""
+dynamic program has at most 257 runs, however many sequences and lengths (with every distinct
+length a run it took seconds for 4096 sequences; figures:
+docs/benchmarks/2026-12-05-cpu-e2e-amd.md)."""
 
 
 def _cut_by_length(

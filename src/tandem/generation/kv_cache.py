@@ -3,9 +3,10 @@ is allocated once, and each step writes its keys and values in place.
 
 transformers' ``DynamicCache`` concatenates a new copy of every layer's cache at every step:
 for 64 rows of a 21M-parameter model decoding 128 tokens (``bench/e2e_cpu.py``'s long
-workload) that copied ~15 GB and took 6.2-7.1 s of decode, 5.3-6.4 s written in place, with
-the same tokens. The ``StaticCache`` also writes in place, but attends over its whole length
-every step (16 s here); this one attends over the tokens so far, as the dynamic cache does.
+workload) that copied ~15 GB, and writing in place decodes the same tokens sooner. The
+``StaticCache`` also writes in place, but attends over its whole length every step; this one
+attends over the tokens so far, as the dynamic cache does (figures:
+docs/benchmarks/2026-12-05-cpu-e2e-amd.md).
 """
 
 from __future__ import annotations

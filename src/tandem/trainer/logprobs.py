@@ -29,8 +29,8 @@ def right_padded(attention_mask: torch.Tensor) -> bool:
     Under a causal mask a real token of such a row attends only to real tokens before it, and
     its positions are 0, 1, ... as without padding, so the model's outputs on real tokens are
     those of the unmasked causal call. Passing the padding mask makes attention build a
-    ``[b, 1, T, T]`` mask and leave its causal kernel: 2.2 s of a 10.3 s train step on this
-    CPU (21M parameters, 64 x 148 tokens, ``bench/e2e_cpu.py``'s long workload)."""
+    ``[b, 1, T, T]`` mask and leave its causal kernel, a fifth of the long CPU workload's train
+    step (``bench/e2e_cpu.py``; figures: docs/benchmarks/2026-12-04-cpu-e2e.md)."""
     return bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
 
 
