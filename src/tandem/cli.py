@@ -84,7 +84,7 @@ def _run_sft(args: argparse.Namespace) -> None:
 def _run_export(args: argparse.Namespace) -> None:
     from tandem.runs import export_checkpoint
 
-    print(f"exported {export_checkpoint(args.checkpoint, args.out_dir)}")
+    print(f"exported {export_checkpoint(args.checkpoint, args.out_dir, merge=args.merge)}")
 
 
 def _run_dpo(args: argparse.Namespace) -> None:
@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run folder (its latest checkpoint) or its checkpoints/step_N",
     )
     export.add_argument("out_dir", type=Path, help="the folder to write (replaced whole)")
+    export.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: merge the adapters into the weights and write a model folder "
+        "(default: a peft adapter folder); full-parameter runs write a model folder either way",
+    )
     export.set_defaults(func=_run_export)
 
     env = sub.add_parser("envs", help="list, build or clean the per-actor Python environments")

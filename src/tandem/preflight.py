@@ -112,6 +112,21 @@ def check_episode_length(max_tokens: int, context: int) -> None:
         )
 
 
+def check_lora_targets(policy: PolicyConfig, model_config: dict[str, Any]) -> None:
+    """Every ``policy.lora.target_modules`` entry names modules of the model: checked on its
+    skeleton (built on the meta device from config.json: no weights read, nothing allocated)."""
+    assert policy.lora is not None
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tandem.trainer.lora import check_targets, module_names
+
+    config = AutoConfig.for_model(**model_config)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    check_targets(policy.lora, module_names(skeleton))
+
+
 def check_run_inputs(
     policy: PolicyConfig, generation: GenerationConfig, data: DataConfig | PreferenceDataConfig
 ) -> int:
@@ -120,6 +135,8 @@ def check_run_inputs(
     from tandem.rewards.registry import resolve_reward
 
     model_config = check_model_folder(policy.model_path)
+    if policy.lora is not None:
+        check_lora_targets(policy, model_config)
     check_data_files(data)
     if isinstance(data, DataConfig):
         resolve_reward(data.reward)

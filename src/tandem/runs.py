@@ -108,10 +108,12 @@ def truncate_metrics(run_dir: Path, after_step: int) -> None:
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
+def export_checkpoint(checkpoint: Path, out_dir: Path, merge: bool = False) -> Path:
     """The policy of ``checkpoint`` (a run folder: its latest checkpoint; or its
     ``checkpoints/step_N``) as a Hugging Face folder at ``out_dir``, in this process (no Ray):
-    the policy section of the run's resolved config rebuilds the model the shards belong to."""
+    the policy section of the run's resolved config rebuilds the model the shards belong to.
+    A LoRA run's policy is a peft adapter folder, or with ``merge`` a model folder of the
+    weights with the adapters merged in (transformers and vLLM load it as any model)."""
     from tandem.config.models import PolicyConfig
     from tandem.trainer.policy_trainer import PolicyTrainer
 
@@ -132,5 +134,5 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
     policy = PolicyConfig.model_validate(json.loads(resolved.read_text())["policy"])
     trainer = PolicyTrainer(policy, device="cpu", trainable=False)
     trainer.load_checkpoint(step_dir / "trainer")
-    trainer.export_hf(out_dir)
+    trainer.export_hf(out_dir, merged=merge)
     return out_dir

@@ -80,3 +80,32 @@ def export_hf(
                 if item.is_file() and not weight_file and item.name not in REGENERATED:
                     shutil.copy2(item, tmp / item.name)
     ranks.barrier()
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def export_adapter(
+    path: Path,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    adapter_config: Any,
+    source_dir: Path,
+    ranks: Ranks = ONE_RANK,
+) -> None:
+    """Writes ``path`` atomically as a peft adapter folder: ``tensors`` (peft's saved names) in
+    adapter_model.safetensors, ``adapter_config`` (a ``peft.LoraConfig``) as
+    adapter_config.json, and the tokenizer files of ``source_dir``. A collective when ``ranks``
+    is: every rank iterates ``tensors``, rank 0 writes."""
+    staging = atomic_dir(path) if ranks.rank == 0 else contextlib.nullcontext(None)
+    with staging as tmp:
+        weights = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors}
+        if tmp is not None:
+            save_file(weights, str(tmp / ADAPTER_FILES[1]), metadata={"format": "pt"})
+            adapter_config.save_pretrained(str(tmp))
+            for item in source_dir.iterdir():
+                tokenizer_file = item.name.startswith(
+                    ("tokenizer", "special_tokens", "vocab", "merges", "chat_template")
+                )
+                if item.is_file() and tokenizer_file and not item.name.endswith(WEIGHT_SUFFIXES):
+                    shutil.copy2(item, tmp / item.name)
+    ranks.barrier()

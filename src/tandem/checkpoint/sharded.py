@@ -20,7 +20,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from tandem.checkpoint.state import TrainState
 from tandem.files import atomic_dir, sibling
@@ -31,6 +35,8 @@ STATE_FILE = "trainer_state.json"
 def _states(state: TrainState) -> tuple[dict[str, Any], list[torch.optim.Optimizer]]:
     optimizers = [state.optimizer] if state.optimizer is not None else []
     model_state, optim_state = get_state_dict(state.model, optimizers)
+    if state.model_keys is not None:
+        model_state = {k: v for k, v in model_state.items() if state.model_keys(k)}
     states: dict[str, Any] = {"model": model_state}
     if optimizers:
         states["optim"] = optim_state
@@ -108,6 +114,8 @@ def load(state: TrainState, path: Path) -> dict[str, Any]:
         optimizers,
         model_state_dict=states["model"],
         optim_state_dict=states.get("optim", {}),
+        # a partial model state (``model_keys``) leaves the other entries as they are
+        options=StateDictOptions(strict=state.model_keys is None),
     )
     record = json.loads((found / STATE_FILE).read_text())
     state.step = int(record["step"])

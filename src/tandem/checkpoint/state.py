@@ -3,6 +3,7 @@ trainer builds them; ``checkpoint/`` imports nothing of ``trainer/``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,9 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     step: int
     ranks: Ranks = field(default_factory=Ranks)
+    model_keys: Callable[[str], bool] | None = None
+    """Which entries of the model's state dict a checkpoint holds (None: all); the others keep
+    what the model has (LoRA: the adapters only, the frozen base comes from the model folder)."""
 
 
 ONE_RANK = Ranks()

@@ -38,7 +38,8 @@ def intra_op_threads(count: int) -> Iterator[None]:
 class TrainerWorker:
     """One trainer rank: the policy (and, with a KL penalty, a frozen reference) and its side of
     the refit (``trainer.refit.WeightSource``). ``node_ip``: the address generators on other
-    nodes reach this one at (``WorkerGroup`` passes it)."""
+    nodes reach this one at (``WorkerGroup`` passes it). A LoRA policy is its own reference
+    (its adapters disabled): no second copy of the weights is built."""
 
     def __init__(
         self,
@@ -61,7 +62,7 @@ class TrainerWorker:
         )
         self.reference = (
             PolicyTrainer(policy, rank=rank, world_size=world_size, trainable=False)
-            if with_reference
+            if with_reference and policy.lora is None
             else None
         )
         self.weights = WeightSource(
@@ -78,8 +79,23 @@ class TrainerWorker:
         return self.policy.logprobs(batch)
 
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        if self.policy.peft is not None:
+            return self._base_logprobs(batch)
         assert self.reference is not None, "built without a reference policy"
         return self.reference.logprobs(batch)
+
+    def _base_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """The LoRA policy's logprobs with its adapters disabled. The runtime's memory phases
+        move a reference, which a LoRA policy has not: an offloaded policy comes to the device
+        for this call and goes back after it, so the phase the runtime recorded stays true."""
+        offloaded = not self.policy.resident
+        if offloaded:
+            self.policy.onload()
+        try:
+            return self.policy.base_logprobs(batch)
+        finally:
+            if offloaded:
+                self.policy.offload()
 
     def train(self, batch: TrainBatch, loss_fn: Any) -> dict[str, float]:
         return self.policy.train(batch, loss_fn)
@@ -102,8 +118,10 @@ class TrainerWorker:
     def load_checkpoint(self, path: str) -> None:
         self.policy.load_checkpoint(Path(path))
 
-    def export_hf(self, path: str) -> None:
-        self.policy.export_hf(Path(path))
+    def export_hf(self, path: str, merged: bool = False) -> None:
+        """The policy as a Hugging Face folder (LoRA: a peft adapter folder, or with ``merged``
+        the weights with the adapters merged in)."""
+        self.policy.export_hf(Path(path), merged=merged)
 
     def set_residency(
         self, policy: bool | None = None, reference: bool | None = None

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandem.assets import DEFAULT_MODEL_DIR
+from tandem.config.lora import LoraConfig, check_lora_generation
 
 
 class Section(BaseModel):
@@ -114,6 +115,10 @@ class PolicyConfig(Section):
     materialised for the whole batch."""
     optimizer: OptimizerConfig = OptimizerConfig()
     """AdamW and learning-rate schedule."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters (peft) on the frozen model instead of every weight; None trains
+    every weight. The reference policy is then the model with its adapters disabled, and refits
+    send the adapters only (refit.lora)."""
 
 
 class SamplingConfig(Section):
@@ -165,6 +170,9 @@ class GenerationConfig(Section):
     """Generator weight precision; fp8 quantises block-wise (128x128, e4m3) during refit."""
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     """vLLM KV-cache dtype; fp8 uses scales calibrated by the trainer."""
+    max_lora_rank: int | None = Field(None, ge=1)
+    """The largest LoRA adapter rank the engine takes (vLLM: enable_lora, rounded up to a rank
+    vLLM builds for); None: no adapters. Follows policy.lora.rank when refits send adapters."""
 
     @model_validator(mode="after")
     def _fp8_needs_vllm(self) -> GenerationConfig:
@@ -197,6 +205,10 @@ class RefitConfig(Section):
     timeout_s: float = Field(300.0, gt=0)
     """Longest wait of one refit step for the other side (the rendezvous, one bucket); past it
     the refit fails naming the bucket."""
+    lora: Literal["adapter", "merged"] = "adapter"
+    """With policy.lora: adapter sends the adapters only (bytes in proportion to the rank; the
+    generators apply them: vLLM's LoRA support, peft on the transformers model); merged merges
+    them into the weights on the trainer and sends full weights (for engines without LoRA)."""
 
 
 class AlgorithmConfig(Section):
@@ -439,6 +451,12 @@ class GrpoConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _lora_generators(self) -> GrpoConfig:
+        in_flight = self.algorithm.refit_mode == "in_flight"
+        self.generation = check_lora_generation(self.policy, self.generation, self.refit, in_flight)
+        return self
+
 
 class SftAlgorithmConfig(Section):
     num_steps: int = Field(200, ge=1)
@@ -464,6 +482,11 @@ class SftConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     output_dir: Path | None = None
     """Also export the final policy as a Hugging Face folder here."""
+
+    @model_validator(mode="after")
+    def _lora_generators(self) -> SftConfig:
+        self.generation = check_lora_generation(self.policy, self.generation, None)
+        return self
 
 
 class DpoAlgorithmConfig(Section):
@@ -525,3 +548,8 @@ class DpoConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     output_dir: Path | None = None
     """Also export the final policy as a Hugging Face folder here."""
+
+    @model_validator(mode="after")
+    def _lora_generators(self) -> DpoConfig:
+        self.generation = check_lora_generation(self.policy, self.generation, None)
+        return self

@@ -19,6 +19,7 @@ the launch of its hundreds of kernels, not by the GPU.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import secrets
 from collections.abc import Callable, Iterable
@@ -29,7 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.adapters import is_adapter_name
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
+from tandem.generation.hf_adapters import PeftAdapter
 from tandem.generation.packed_linear import pack_linears
 from tandem.tensors import TargetRuns, device_copies
 from tandem.tensors.devices import DTYPES
@@ -182,6 +185,8 @@ class HfGenerator(Generator):
             "cache_position" in inspect.signature(forward).parameters
         )
         self._refit_targets: TargetRuns | None = None  # the parameters in a refit's order
+        self.adapter = PeftAdapter(self.model)
+        """LoRA adapters refits send (``refit.lora=adapter``), applied through peft."""
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Rollout]:
         if any(len(p) == 0 for p in prompt_token_ids):
@@ -458,8 +463,16 @@ class HfGenerator(Generator):
 
     @torch.no_grad()
     def load_weights(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Weights in Hugging Face names, or LoRA adapters (``tandem.adapters``' names)."""
+        stream = iter(stream)
+        first = next(stream, None)
+        if first is None:
+            return
+        if is_adapter_name(first[0]):
+            self.adapter.load(itertools.chain([first], stream))
+            return
         state = self.model.state_dict()
-        for name, tensor in stream:
+        for name, tensor in itertools.chain([first], stream):
             _target(state, name, tensor).copy_(tensor)
         self._repack()
         # no prefix cache to reset: every generate call prefills from scratch
@@ -472,12 +485,19 @@ class HfGenerator(Generator):
         from tandem.weight_sync import make_receiver
 
         targets = self._refit_targets
+        metas = spec.plan.tensors
+        adapter = bool(metas) and is_adapter_name(metas[0].name)
         if targets is None or targets.checked != spec.plan.key:  # the first refit of its plan
-            state = self.model.state_dict()
-            targets = TargetRuns([_target(state, meta.name, meta) for meta in spec.plan.tensors])
+            if adapter:
+                found = self.adapter.targets([(meta.name, meta) for meta in metas])
+            else:
+                state = self.model.state_dict()
+                found = [_target(state, meta.name, meta) for meta in metas]
+            targets = TargetRuns(found)
             self._refit_targets = targets
         make_receiver(spec, self.device, rank=first_rank).copy_into(targets)
-        self._repack()
+        if not adapter:  # the packed layers' weights are the base weights, which it left alone
+            self._repack()
 
     def _repack(self) -> None:
         """The packed linear layers follow their weights (after a refit wrote them)."""

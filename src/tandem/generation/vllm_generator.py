@@ -89,6 +89,11 @@ def engine_kwargs(
     }
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
+    if config.max_lora_rank is not None:  # refits send LoRA adapters (one at a time)
+        from tandem.config.lora import vllm_lora_rank
+
+        kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(config.max_lora_rank))
+        kwargs["max_loras"] = 1
     if on_cpu:
         context = max_model_len or _context_length(model_path)
         kwargs["enable_chunked_prefill"] = False
@@ -152,6 +157,8 @@ class VllmGenerator(Generator):
         self._sleeping: set[str] = set()
         self._labelled = -1
         """The weight version the engine labels its outputs with (set before a step)."""
+        self._lora: Any = None
+        """The ``LoRARequest`` of the adapter the last refit loaded (None: no adapter)."""
 
     @property
     def supports_sleep(self) -> bool:
@@ -184,7 +191,12 @@ class VllmGenerator(Generator):
         weight version set before the step that sampled it (``weight_versions`` of an output)."""
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
         sampling = [self._vllm_params(params, i) for i in range(len(prompts))]
-        self.llm.enqueue(prompts, sampling, use_tqdm=False)  # type: ignore[arg-type]
+        self.llm.enqueue(
+            prompts,  # type: ignore[arg-type]
+            sampling,
+            lora_request=self._lora,
+            use_tqdm=False,
+        )
         engine = self.llm.llm_engine
         finished = []
         while engine.has_unfinished_requests():
@@ -246,11 +258,23 @@ class VllmGenerator(Generator):
         # call arguments are pickled, so the stream has to be materialised.
         weights = stream if self._engine_here else list(stream)
         self.llm.collective_rpc("tandem_load_weights", args=(weights,))
-        self.reset_prefix_cache()
+        self._loaded()
 
     def receive_weights(self, spec: Any, first_rank: int = 1) -> None:
         # every worker (tensor-parallel rank) joins the transport and loads its own copy
         self.llm.collective_rpc("tandem_receive_weights", args=(spec, first_rank))
+        self._loaded()
+
+    def _loaded(self) -> None:
+        """After a refit: requests go to the adapter it loaded, if it was one (a new id per
+        refit, the previous adapter removed: ``TandemWorkerExtension.tandem_lora_id``), and
+        the prefix cache starts empty."""
+        lora_id = self.llm.collective_rpc("tandem_lora_id")[0]
+        if lora_id is not None:
+            from vllm.lora.request import LoRARequest
+
+            # the path is a label: the adapter is in the workers already, never read from it
+            self._lora = LoRARequest(f"tandem-{lora_id}", lora_id, f"tandem://refit/{lora_id}")
         self.reset_prefix_cache()
 
     def kv_scales(self) -> dict[str, dict[str, float]]:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from tandem.adapters import is_adapter_name, split_adapter_name
 from tandem.generation.packed_linear import PACK_MIN_BYTES
 
 _KV_SCALE_RE = re.compile(r"(.+\.attn)\.([qkv])_scale")
@@ -193,6 +194,11 @@ class TandemWorkerExtension:
         KV-cache scale entries count too; they are applied with ``_apply_kv_scales``."""
         count = 0
         scales: dict[str, dict[str, float]] = {}
+        weights = iter(weights)
+        head = next(weights, None)
+        if head is not None and is_adapter_name(head[0]):
+            return self._tandem_load_adapter(chain([head], weights))
+        weights = chain([head], weights) if head is not None else weights
         gemms = self._cpu_gemms()
 
         def owned() -> Iterator[tuple[str, torch.Tensor]]:
@@ -227,6 +233,51 @@ class TandemWorkerExtension:
         self._apply_kv_scales(merged)  # raises before changing anything on a bad name
         self._tandem_kv_scales = merged
         return count
+
+    def _tandem_load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load a LoRA adapter from its tensors (``tandem.adapters``' names, B scaled by alpha /
+        rank, so it loads with alpha = rank) under a new adapter id, and remove the previous
+        one. vLLM 0.32 reads adapters from folders (``WorkerLoRAManager._load_adapter``); this
+        builds the same ``LoRAModel`` from tensors (``LoRAModel.from_lora_tensors``) and hands
+        it to the worker's adapter manager: no file is written. Requests name the id
+        (``tandem_lora_id``), so the engine finds the adapter loaded and reads no path."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        # refit receivers yield views into buckets the next buckets overwrite: keep copies
+        tensors = {name: tensor.clone() for name, tensor in weights}
+        rank = next(int(t.shape[0]) for n, t in tensors.items() if n.endswith("lora_A.weight"))
+        modules = sorted({split_adapter_name(name)[0].rsplit(".", 1)[-1] for name in tensors})
+        runner = self.model_runner
+        if not hasattr(runner, "lora_manager"):
+            raise ValueError(
+                "an adapter refit reached a vLLM engine built without LoRA: build it with "
+                "generation.max_lora_rank (policy.lora sets it) or use refit.lora=merged"
+            )
+        manager = runner.lora_manager._adapter_manager
+        model = manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        previous: int = getattr(self, "_tandem_lora", 0)
+        adapter = LoRAModel.from_lora_tensors(
+            previous + 1,
+            tensors,
+            PEFTHelper(r=rank, lora_alpha=rank, target_modules=modules),
+            device="cpu",
+            dtype=runner.lora_manager.lora_config.lora_dtype,
+            model_vocab_size=runner.lora_manager.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )
+        if previous:
+            manager.remove_adapter(previous)
+        manager.add_adapter(adapter)
+        manager.activate_adapter(adapter.id)
+        self._tandem_lora = adapter.id
+        return len(tensors)
+
+    def tandem_lora_id(self) -> int | None:
+        """The id of the adapter the last refit loaded (None: refits carry full weights)."""
+        return getattr(self, "_tandem_lora", None)
 
     def _cpu_gemms(self) -> CpuGemms | None:
         """The layers a refit loads in place (decided, and their weights kept, at the first

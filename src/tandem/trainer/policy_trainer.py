@@ -29,6 +29,7 @@ from tandem.data.packing import (
     unpack,
 )
 from tandem.tensors.devices import DTYPES, default_device
+from tandem.trainer import lora
 from tandem.trainer.logprobs import LogprobModel
 from tandem.trainer.offload import HostPool, move_state, offload_bytes
 from tandem.trainer.parallelize import (
@@ -101,6 +102,9 @@ class PolicyTrainer:
         if self.uses_fsdp:
             init_distributed(rank, world_size, self.device)
         self.lm = _load_lm(config)
+        self.peft = lora.wrap_lora(self.lm, config.lora) if config.lora is not None else None
+        """With ``policy.lora``: the ``PeftModel`` around ``lm`` (peft's layers are injected into
+        ``lm`` itself, which is what trains); None trains every weight."""
         # the exported config keeps the model's own setting; training never uses a KV cache
         self.hf_use_cache = bool(getattr(self.lm.config, "use_cache", True))
         self.lm.config.use_cache = False
@@ -123,9 +127,9 @@ class PolicyTrainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if trainable:
-            self.optimizer, self.scheduler = build_optimizer(
-                list(self.model.parameters()), config.optimizer, total_steps
-            )
+            # with LoRA only the adapters require gradients: the optimizer holds nothing else
+            trained = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer, self.scheduler = build_optimizer(trained, config.optimizer, total_steps)
         self.step = 0
         self.resident = True
         """Whether the state is on the device (``offload``/``onload`` toggle it)."""
@@ -217,6 +221,14 @@ class PolicyTrainer:
             reshard(self.model)
         return (out, ent) if with_entropy else out
 
+    def base_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """``logprobs`` of the model with its LoRA adapters disabled: the frozen base model, so
+        a LoRA policy is its own reference policy (no second copy of the weights)."""
+        if self.peft is None:
+            raise ValueError("base_logprobs needs policy.lora (without it, build a reference)")
+        with self.peft.disable_adapter():
+            return self.logprobs(batch)
+
     # -- training -------------------------------------------------------------------------------
     def train(
         self, batch: TrainBatch, loss_fn: LossFn, with_entropy: bool = False
@@ -278,20 +290,41 @@ class PolicyTrainer:
         return float(full_tensor(norm, self.device))
 
     # -- weights --------------------------------------------------------------------------------
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return full_tensor(tensor, self.device)
+
     def weight_metadata(
         self, dtype: torch.dtype | None = None
     ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(name, full shape, dtype) of every tensor ``iter_weights(dtype)`` yields; no
         communication, the same on every rank."""
+        if self.peft is not None:
+            return lora.merged_metadata(hf_state(self.lm), dtype)
         return [(name, tuple(t.shape), dtype or t.dtype) for name, t in hf_state(self.lm)]
+
+    def adapter_metadata(
+        self, dtype: torch.dtype | None = None
+    ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(name, full shape, dtype) of every tensor ``iter_adapter(dtype)`` yields."""
+        return lora.adapter_metadata(self.lm, dtype)
+
+    def iter_adapter(
+        self, dtype: torch.dtype | None = None, scaled: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapters in peft's saved names (``lora.adapter_tensors``; ``scaled``: B
+        times alpha / rank), gathered one at a time; as ``iter_weights``, only rank 0 yields."""
+        self._require_resident("iter_adapter")
+        for name, tensor in lora.adapter_tensors(self.lm, self._gather, scaled, dtype):
+            if self.rank == 0:
+                yield name, tensor
 
     @property
     def streams_live_weights(self) -> bool:
         """Whether ``iter_weights()`` yields the live parameters themselves: one rank, no CPU
         offload policy, and not offloaded now (else it yields copies on the device). They stay
         valid until the next step or offload, so a refit may read them in place."""
-        if self.world_size != 1 or self.config.cpu_offload:
-            return False
+        if self.world_size != 1 or self.config.cpu_offload or self.peft is not None:
+            return False  # (with LoRA the weights are merged on the way: new tensors)
         param = next(self.lm.parameters(), None)
         return param is not None and getattr(param, "_local_tensor", param).device == self.device
 
@@ -300,9 +333,12 @@ class PolicyTrainer:
         Under FSDP2 each gather is a collective: every rank iterates to the end, only rank 0
         yields. Tied LM heads are left out (loaders re-tie them to the embedding). On one rank
         (with or without FSDP) the tensors on the device are the live parameters (no copy):
-        copy them to keep them past a step."""
+        copy them to keep them past a step. With LoRA: the weights with the adapters merged in."""
         self._require_resident("iter_weights")
-        for name, tensor in hf_state(self.lm):
+        stream = hf_state(self.lm)
+        if self.peft is not None:  # gathered there already (full_tensor then passes them)
+            stream = lora.merged_tensors(self.lm, stream, self._gather)
+        for name, tensor in stream:
             full = full_tensor(tensor, self.device)
             if self.rank == 0:
                 yield name, full if dtype is None else full.to(dtype)
@@ -313,7 +349,11 @@ class PolicyTrainer:
         return Ranks(self.rank, self.world_size, self.uses_fsdp and dist.is_initialized())
 
     def _train_state(self) -> TrainState:
-        return TrainState(self.model, self.optimizer, self.scheduler, self.step, self._ranks())
+        # with LoRA the base weights are the model folder's: a checkpoint holds the adapters
+        keep = (lambda name: ".lora_" in name) if self.peft is not None else None
+        return TrainState(
+            self.model, self.optimizer, self.scheduler, self.step, self._ranks(), keep
+        )
 
     def save_checkpoint(self, path: Path | str, extra: dict[str, Any] | None = None) -> None:
         """Sharded model + optimizer + scheduler state (and ``extra``, a JSON-able dict of the
@@ -328,15 +368,24 @@ class PolicyTrainer:
         self.step = state.step
         return extra
 
-    def export_hf(self, path: Path | str, dtype: torch.dtype | None = None) -> None:
-        """A Hugging Face folder (config, safetensors, tokenizer) of the current weights. A
-        collective under FSDP2."""
+    def export_hf(
+        self, path: Path | str, dtype: torch.dtype | None = None, merged: bool = False
+    ) -> None:
+        """A Hugging Face folder (config, safetensors, tokenizer) of the current weights. With
+        LoRA a peft adapter folder (adapter_config.json, adapter_model.safetensors: what
+        ``PeftModel.from_pretrained(base, path)`` loads), or with ``merged`` a model folder of
+        the weights with the adapters merged in. A collective under FSDP2."""
+        source = Path(self.config.model_path)
+        if self.peft is not None and not merged:
+            adapter_config = lora.adapter_config(self.peft)
+            tensors = self.iter_adapter(dtype, scaled=False)
+            hf_export.export_adapter(Path(path), tensors, adapter_config, source, self._ranks())
+            return
         config = copy.deepcopy(self.lm.config)
         config.use_cache = self.hf_use_cache  # as loaded: training turned it off
         if dtype is not None:
             config.dtype = dtype
         weights = self.iter_weights(dtype)
-        source = Path(self.config.model_path)
         hf_export.export_hf(Path(path), weights, config, source, self._ranks())
 
     # -- memory phases --------------------------------------------------------------------------

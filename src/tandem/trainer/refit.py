@@ -26,7 +26,12 @@ class WeightSource:
     """Streams ``policy``'s weights to the generators, cast to ``dtype`` (the generators'; None:
     the trainer's own). ``precision="fp8"`` quantises them on the way
     (``quant.quantize_weight_stream``). ``host``: the address the generators reach this node at
-    (its IP when they run on other nodes: split across nodes)."""
+    (its IP when they run on other nodes: split across nodes).
+
+    A LoRA policy (``policy.lora``) streams its adapters only with ``refit.lora=adapter``
+    (``PolicyTrainer.iter_adapter``: peft's names, B scaled by alpha / rank, bytes in proportion
+    to the rank), which the generators apply; with ``merged``, the weights with the adapters
+    merged in, in the base model's names (``PolicyTrainer.iter_weights``)."""
 
     def __init__(
         self,
@@ -43,17 +48,31 @@ class WeightSource:
         self.dtype = dtype
         self.num_receivers = num_receivers
         self.host = host
+        self.adapter = policy.peft is not None and config.lora == "adapter"
+        """Whether a refit sends the LoRA adapters only."""
+        if self.adapter and self.fp8:
+            raise ValueError("FP8 refits carry full weights: use refit.lora=merged with fp8")
         self._sender: RefitSender | None = None
         self._live = False  # of the prepared refit
 
     def live(self) -> bool:
         """Whether a refit now sends the parameters themselves, which stay put until it ends
         (``PolicyTrainer.streams_live_weights``; FP8 quantisation and casts make new tensors)."""
-        if not self.policy.streams_live_weights or self.fp8:
+        if not self.policy.streams_live_weights or self.fp8 or self.adapter:
             return False
         return self.dtype is None or all(
             dtype == self.dtype for _, _, dtype in self.policy.weight_metadata()
         )
+
+    def _metadata(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        if self.adapter:
+            return self.policy.adapter_metadata(self.dtype)
+        return self.policy.weight_metadata(self.dtype)
+
+    def _weights(self) -> WeightStream:
+        if self.adapter:
+            return self.policy.iter_adapter(self.dtype)
+        return self.policy.iter_weights(self.dtype)
 
     def _stream(self, stream: WeightStream) -> WeightStream:
         if self.fp8:
@@ -74,7 +93,7 @@ class WeightSource:
             )
         metas = (
             (name, torch.empty(shape, dtype=dtype, device="meta"))
-            for name, shape, dtype in self.policy.weight_metadata(self.dtype)
+            for name, shape, dtype in self._metadata()
         )
         self._live = self.live()
         live = [tensor for _, tensor in self.policy.iter_weights()] if self._live else []
@@ -83,7 +102,7 @@ class WeightSource:
     def stream(self) -> WeightStream:
         """What a refit sends, as a stream (every rank iterates it; rank 0 yields): for a
         receiver in this process, which loads it without a transport."""
-        return self._stream(self.policy.iter_weights(self.dtype))
+        return self._stream(self._weights())
 
     def send(self) -> dict[str, float]:
         """Send the prepared refit; rank 0 returns its ``SendStats.as_dict()``, other ranks take

@@ -1,0 +1,83 @@
+"""The ``policy.lora`` section (low-rank adapters trained with peft) and the checks that tie it
+to the generators: which engines take adapters, the rank they are built for."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from tandem.config.models import GenerationConfig, PolicyConfig, RefitConfig
+
+LINEAR_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""Every linear projection of a Llama / Qwen2 / Mistral decoder layer (the LM head excluded)."""
+
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM 0.32 builds an engine for (``LoRAConfig.max_lora_rank``); an adapter of a
+smaller rank is padded to the next one."""
+
+
+class LoraConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+    rank: int = Field(16, ge=1)
+    """Rank r of every adapter (A is r x in, B is out x r)."""
+    alpha: int = Field(32, ge=1)
+    """Scale numerator: the adapter's update is (alpha / rank) * B @ A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training (none at inference or for logprobs taken
+    without gradients)."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LINEAR_PROJECTIONS))
+    """Module names (last component, e.g. q_proj) that get adapters. Default: all linear
+    projections of Llama / Qwen2 decoder layers. A name that no module of the model has is
+    an error."""
+    init: Literal["kaiming", "gaussian"] = "kaiming"
+    """Initialisation of A (B starts at zero either way, so step 0 is the base model):
+    kaiming-uniform (peft's default) or gaussian with std 1/rank."""
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM builds an engine for that holds ``rank``."""
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(
+        f"policy.lora.rank={rank}: vLLM takes adapters of rank <= {VLLM_MAX_LORA_RANKS[-1]}; "
+        "lower the rank or set refit.lora=merged"
+    )
+
+
+def check_lora_generation(
+    policy: PolicyConfig,
+    generation: GenerationConfig,
+    refit: RefitConfig | None,
+    in_flight_refit: bool = False,
+) -> GenerationConfig:
+    """With ``policy.lora`` and adapter refits (``refit.lora=adapter``), the generators must take
+    adapters: raises ValueError naming the fix where they cannot. Returns ``generation`` with
+    ``max_lora_rank`` (the rank the engine is built for) set when it was unset (a copy)."""
+    lora = policy.lora
+    mode = "adapter" if refit is None else refit.lora
+    if lora is None or mode != "adapter":
+        return generation
+    if generation.precision == "fp8":
+        raise ValueError(
+            "policy.lora with generation.precision=fp8: the FP8 engine takes no LoRA adapters; "
+            "set refit.lora=merged (merge and send full weights) or generation.precision=bf16"
+        )
+    if generation.backend == "vllm":
+        vllm_lora_rank(lora.rank)
+        if in_flight_refit:
+            raise ValueError(
+                "policy.lora with algorithm.refit_mode=in_flight on vLLM: running requests keep "
+                "the adapter they started with; use refit_mode=after_requests or refit.lora=merged"
+            )
+    if generation.max_lora_rank is None:
+        return generation.model_copy(update={"max_lora_rank": lora.rank})
+    if generation.max_lora_rank < lora.rank:
+        raise ValueError(
+            f"generation.max_lora_rank={generation.max_lora_rank} is below policy.lora.rank="
+            f"{lora.rank}; raise it or leave it unset (it follows the rank)"
+        )
+    return generation

@@ -1,0 +1,87 @@
+"""LoRA adapters on the transformers generator's model, through peft.
+
+A refit of a LoRA policy (``refit.lora=adapter``) sends each adapted module's A and B (peft's
+saved names, B already scaled by alpha / rank: ``trainer.lora.adapter_tensors``). The first such
+refit injects peft's LoRA layers into the model (``peft.inject_adapter_in_model``: the rank from
+A's shape, the modules from the names, alpha = rank so the scale is 1); every refit then copies
+A and B into them. The generator computes what the trainer does, ``base(x) + B(A(x))``, and
+keeps its base weights as loaded: no merged copy to keep or undo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.adapters import split_adapter_name
+from tandem.generation.packed_linear import PackedLinear
+
+ADAPTER = "tandem"
+"""peft's name of the generator's one adapter."""
+
+
+class PeftAdapter:
+    """The LoRA layers injected into ``model`` and where each stream name lands."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.rank: int | None = None
+        self.modules: tuple[str, ...] = ()
+        self._params: dict[str, torch.Tensor] = {}
+
+    def targets(self, metas: Sequence[tuple[str, Any]]) -> list[torch.Tensor]:
+        """The tensor each ``(name, tensor_or_meta)`` of an adapter stream is copied into (only
+        shapes are read), injecting the LoRA layers at the first call."""
+        modules = tuple(dict.fromkeys(split_adapter_name(name)[0] for name, _ in metas))
+        rank = next(int(m.shape[0]) for n, m in metas if split_adapter_name(n)[1] == "lora_A")
+        if self.rank is None:
+            self._inject(modules, rank)
+        elif (modules, rank) != (self.modules, self.rank):
+            raise ValueError(
+                f"adapter refit of rank {rank} over {len(modules)} modules; the generator took "
+                f"rank {self.rank} over {len(self.modules)} at its first adapter refit"
+            )
+        out = []
+        for name, meta in metas:
+            target = self._params.get(name)
+            if target is None or target.shape != meta.shape:
+                raise ValueError(f"adapter refit: {name!r} {tuple(meta.shape)} fits no LoRA layer")
+            out.append(target)
+        return out
+
+    def _inject(self, modules: tuple[str, ...], rank: int) -> None:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        _unpack(self.model, modules)
+        config = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(modules), bias="none")
+        inject_adapter_in_model(config, self.model, adapter_name=ADAPTER)
+        self.model.requires_grad_(False)
+        for module in modules:
+            layer: Any = self.model.get_submodule(module)
+            for kind in ("lora_A", "lora_B"):
+                weight = getattr(layer, kind)[ADAPTER].weight
+                self._params[f"base_model.model.{module}.{kind}.weight"] = weight
+        self.rank, self.modules = rank, modules
+
+    @torch.no_grad()
+    def load(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a whole adapter stream into the LoRA layers (injecting them the first time)."""
+        items = [(name, tensor) for name, tensor in stream]
+        for target, (_, tensor) in zip(self.targets(items), items, strict=True):
+            target.copy_(tensor)
+
+
+def _unpack(model: nn.Module, modules: Iterable[str]) -> None:
+    """Give the modules peft wraps back their ``nn.Linear`` (peft wraps only those): a CPU
+    generator's ``PackedLinear`` keeps the same weight and bias tensors."""
+    for name in modules:
+        layer = model.get_submodule(name)
+        if isinstance(layer, PackedLinear):
+            has_bias = layer.bias is not None
+            linear = nn.Linear(layer.in_features, layer.out_features, has_bias, device="meta")
+            linear.weight, linear.bias = layer.weight, layer.bias
+            parent, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(parent), attribute, linear)

@@ -1,0 +1,153 @@
+"""LoRA on the trainer's model through peft: wrapping, and the adapters as named tensors.
+
+``wrap_lora`` injects peft's LoRA layers into the Hugging Face model in place (the model object
+stays the one the trainer shards and computes with) and returns the ``PeftModel`` around it,
+which owns the adapter config and ``disable_adapter()``. Every other function reads the layers
+peft injected: the adapters in peft's saved names (``base_model.model.<module>.lora_A.weight``,
+what ``PeftModel.from_pretrained`` and vLLM's adapter loader read) and the weights with the
+adapters merged in, in the base model's Hugging Face names.
+
+Tensors are read through ``gather`` (the trainer's ``full_tensor``: a collective for an FSDP2
+shard), one at a time, so no rank holds more than one layer's full weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.adapters import adapter_name
+from tandem.config.lora import LoraConfig
+
+ADAPTER = "default"
+"""peft's name of the one adapter the trainer trains."""
+
+_WRAPPED = "_checkpoint_wrapped_module."
+"""The activation-checkpoint wrapper's attribute, left out of module names."""
+
+Gather = Callable[[torch.Tensor], torch.Tensor]
+
+
+def module_names(model: nn.Module) -> set[str]:
+    """The last component of every module's name (``q_proj``, ``mlp``...)."""
+    return {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
+
+
+def check_targets(config: LoraConfig, names: set[str]) -> None:
+    """Every ``target_modules`` entry names modules of the model (``names``: ``module_names``);
+    peft itself only fails when none does."""
+    missing = [target for target in config.target_modules if target not in names]
+    if missing:
+        linear_like = sorted(n for n in names if n.endswith(("proj", "fc1", "fc2", "dense")))
+        raise ValueError(
+            f"policy.lora.target_modules: {missing} name no module of the model; its "
+            f"projections are {linear_like or sorted(names)}"
+        )
+
+
+def wrap_lora(lm: nn.Module, config: LoraConfig) -> Any:
+    """Inject LoRA layers into ``lm`` (in place: base weights frozen, adapters trainable) and
+    return the ``PeftModel`` that wraps it."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    check_targets(config, module_names(lm))
+    peft_config = PeftLoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=list(config.target_modules),
+        init_lora_weights=True if config.init == "kaiming" else "gaussian",
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(lm, peft_config, adapter_name=ADAPTER)
+
+
+def lora_layers(lm: nn.Module) -> dict[str, Any]:
+    """The layers peft injected, by module name (without wrapper prefixes), in model order."""
+    from peft.tuners.lora import LoraLayer
+
+    return {
+        name.replace(_WRAPPED, ""): module
+        for name, module in lm.named_modules()
+        if isinstance(module, LoraLayer)
+    }
+
+
+def adapter_metadata(
+    lm: nn.Module, dtype: torch.dtype | None = None
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of every tensor ``adapter_tensors`` yields; no communication."""
+    out = []
+    for name, layer in lora_layers(lm).items():
+        for kind in ("lora_A", "lora_B"):
+            weight = getattr(layer, kind)[ADAPTER].weight
+            out.append((adapter_name(name, kind), tuple(weight.shape), dtype or weight.dtype))
+    return out
+
+
+def adapter_tensors(
+    lm: nn.Module, gather: Gather, scaled: bool, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each layer's A then B in peft's saved names. ``scaled``: B times the layer's scaling
+    (alpha / rank), so a receiver applies ``B @ A`` as it is, whatever alpha was (refits);
+    unscaled is what peft saves (exports)."""
+    for name, layer in lora_layers(lm).items():
+        a = gather(layer.lora_A[ADAPTER].weight)
+        b = gather(layer.lora_B[ADAPTER].weight)
+        if scaled:
+            b = b * layer.scaling[ADAPTER]
+        for kind, tensor in (("lora_A", a), ("lora_B", b)):
+            yield adapter_name(name, kind), tensor if dtype is None else tensor.to(dtype)
+
+
+def base_name(name: str) -> str | None:
+    """The base model's name of a state-dict entry of the wrapped model; None for adapters."""
+    if ".lora_" in name:
+        return None
+    return name.replace(".base_layer.", ".")
+
+
+def merged_tensors(
+    lm: nn.Module, state: Iterator[tuple[str, torch.Tensor]], gather: Gather
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's weights (full, in its Hugging Face names) with every adapter merged in:
+    ``W + scaling * B @ A``, computed in W's dtype, as peft's ``merge`` does. ``state``: the
+    wrapped model's (name, tensor) pairs (``weights.hf_state``)."""
+    layers = lora_layers(lm)
+    for name, tensor in state:
+        plain = base_name(name)
+        if plain is None:
+            continue
+        full = gather(tensor)
+        module = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
+        if module in layers and name.endswith(".weight"):
+            layer = layers[module]
+            a = gather(layer.lora_A[ADAPTER].weight)
+            b = gather(layer.lora_B[ADAPTER].weight)
+            delta = (b @ a).to(full.dtype) * layer.scaling[ADAPTER]
+            if getattr(layer, "fan_in_fan_out", False):
+                delta = delta.T
+            full = full + delta
+        yield plain, full
+
+
+def merged_metadata(
+    state: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of every tensor ``merged_tensors`` yields; no communication."""
+    out = []
+    for name, tensor in state:
+        plain = base_name(name)
+        if plain is not None:
+            out.append((plain, tuple(tensor.shape), dtype or tensor.dtype))
+    return out
+
+
+def adapter_config(peft_model: Any) -> Any:
+    """The adapter's ``peft.LoraConfig`` (what ``adapter_config.json`` holds)."""
+    return peft_model.peft_config[ADAPTER]
