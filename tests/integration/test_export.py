@@ -24,7 +24,7 @@ from tandem.trainer.policy_trainer import PolicyTrainer
 if TYPE_CHECKING:
     from tandem.generation.vllm_generator import VllmGenerator
 
-pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def _batch() -> TrainBatch:
@@ -45,10 +45,11 @@ def _transformers_logprobs(folder: Path, batch: TrainBatch) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def run(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A two-step GRPO run (its ``hf`` folder is the trained policy)."""
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-step GRPO run in this process (its ``hf`` folder is the trained policy)."""
     tmp = tmp_path_factory.mktemp("export")
-    run_grpo(small_config(tmp, "run", "algorithm.num_steps=2", "algorithm.eval_every=0"))
+    steps = ("algorithm.num_steps=2", "algorithm.eval_every=0")
+    run_grpo(small_config(tmp, "run", *steps, "cluster.runtime=in_process"))
     return tmp / "run"
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from tandem.config import GrpoConfig, load_config
 from tandem.driver import run_grpo
 
-pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 VOLATILE = ("timing/", "throughput/", "refit/")
 """Metrics that measure the machine, not the run."""
@@ -72,16 +72,16 @@ def test_resume_reproduces_an_uninterrupted_run(ray_cluster, tmp_path: Path) -> 
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.vllm
 def test_placements_and_the_in_process_runtime_agree(ray_cluster, tmp_path: Path) -> None:
-    """Colocated actors, split actors and the in-process runtime (trainer and vLLM engine in
-    this process, refit by copy) run the same run: steps, evaluation, checkpoint."""
-    colocated = run_grpo(
-        small_config(tmp_path, "colocated", "algorithm.num_steps=2", "cluster.runtime=ray")
-    )
+    """Colocated actors, split actors (transport refits into vLLM engines) and the in-process
+    runtime (trainer and vLLM engine in this process, refit by copy) run the same run: steps,
+    evaluation, checkpoint."""
+    vllm = ("algorithm.num_steps=2", "generation.backend=vllm")
+    colocated = run_grpo(small_config(tmp_path, "colocated", *vllm, "cluster.runtime=ray"))
     for name in ("split", "in_process"):
-        # the default on this CPU machine: in this process
-        override = "cluster.placement=split" if name == "split" else "cluster.runtime=auto"
-        other = run_grpo(small_config(tmp_path, name, "algorithm.num_steps=2", override))
+        override = "cluster.placement=split" if name == "split" else "cluster.runtime=in_process"
+        other = run_grpo(small_config(tmp_path, name, *vllm, override))
         for a, b in zip(stable(colocated), stable(other), strict=True):
             assert a.keys() == b.keys()
             for key in a:

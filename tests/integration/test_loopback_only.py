@@ -83,6 +83,7 @@ def test_every_socket_of_a_single_node_run_is_on_loopback(tmp_path: Path) -> Non
         "algorithm.eval_every=2",
         "data.num_eval_prompts=8",
         "generation.kv_cache_bytes=33554432",
+        "generation.backend=vllm",  # its engine's sockets too
     ]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray cluster
     seen: set[Listener] = set()

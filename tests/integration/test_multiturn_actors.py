@@ -96,6 +96,7 @@ def test_a_short_multiturn_run(ray_cluster, tmp_path: Path, recipe: str, backend
         recipe,
         [
             "cluster.env_mode=shared",
+            "cluster.runtime=ray",  # the environments are Ray actors either way
             f"generation.backend={backend}",
             "generation.kv_cache_bytes=33554432",
             f"logging.run_dir={tmp_path}",
