@@ -9,9 +9,9 @@ import importlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from tandem.config import DpoConfig, GrpoConfig, SftConfig, save_resolved
 from tandem.config.models import RefitConfig
@@ -64,6 +64,13 @@ def workers(spec: RuntimeSpec, model_path: Path) -> Iterator[tuple[Runtime, Any]
             yield runtime, tokenizer.result()
 
 
+class DriverState(Protocol):
+    """What the loop keeps beside the workers' state (async GRPO's pipeline): saved with each
+    checkpoint, handed back on resume (``Run.resumed``)."""
+
+    def checkpoint_state(self) -> dict[str, Any]: ...
+
+
 @dataclass
 class Run:
     """An open run folder: where each step's metrics go and when evaluations and checkpoints
@@ -76,6 +83,8 @@ class Run:
     start_step: int
     num_steps: int
     eval_every: int
+    resumed: dict[str, Any] = field(default_factory=dict)
+    """The driver state of the checkpoint a resumed run starts from ({} for a fresh run)."""
 
     def steps(self) -> range:
         """The steps still to run (after the checkpoint of a resumed run)."""
@@ -89,11 +98,13 @@ class Run:
             return self.start_step == 0
         return step % self.eval_every == 0 or step == self.num_steps
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        """The step's metrics to every sink, then its checkpoint if one is due."""
+    def log(self, step: int, metrics: dict[str, float], state: DriverState | None = None) -> None:
+        """The step's metrics to every sink, then its checkpoint if one is due (with
+        ``state``'s, when given)."""
         self.logger.log(step, metrics)
         if step > 0 and self.checkpoints.due(step, self.num_steps):
-            self.checkpoints.save(step, self.runtime, {})
+            driver_state = {} if state is None else state.checkpoint_state()
+            self.checkpoints.save(step, self.runtime, driver_state)
 
 
 @contextmanager
@@ -108,16 +119,17 @@ def open_run(
     run_dir = make_run_dir(config.logging, kind, resume)
     save_resolved(config, run_dir)
     checkpoints = Checkpoints(run_dir, config.checkpoint)
-    start = 0
+    start, resumed = 0, dict[str, Any]()
     if resume:
-        start = int(checkpoints.load(runtime)["step"])
+        resumed = checkpoints.load(runtime)
+        start = int(resumed["step"])
         truncate_metrics(run_dir, start)
         runtime.refit(version=start)
     num_steps, eval_every = config.algorithm.num_steps, config.algorithm.eval_every
     with MetricsLogger(config.logging, run_dir, num_steps, start_step=start) as logger:
         logger.info(f"run directory: {run_dir}")
         logger.info(f"workers: {runtime.where}")
-        yield Run(run_dir, runtime, logger, checkpoints, start, num_steps, eval_every)
+        yield Run(run_dir, runtime, logger, checkpoints, start, num_steps, eval_every, resumed)
         if config.checkpoint.export_hf:
             runtime.export_hf(str((run_dir / "hf").resolve()))
             logger.info(f"trained policy (Hugging Face folder): {run_dir / 'hf'}")
@@ -153,7 +165,9 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
         check_prompt_lengths(source.longest_prompts(), context, config.generation)
         with open_run(config, "grpo", resume, runtime) as run, environments(config) as envs:
             source.environments = envs
-            pipeline = RolloutPipeline(runtime, config, source) if algo.max_staleness > 0 else None
+            pipeline = None
+            if algo.max_staleness > 0:  # a resumed pipeline trains what its checkpoint holds
+                pipeline = RolloutPipeline(runtime, config, source, run.resumed)
             if run.evaluates(0):
                 run.log(0, grpo_evaluation(runtime, source, config, pipeline))
             for step in run.steps():
@@ -166,7 +180,7 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
                 metrics.update(runtime.take_metrics())
                 if run.evaluates(step):
                     metrics.update(grpo_evaluation(runtime, source, config, pipeline))
-                run.log(step, metrics)
+                run.log(step, metrics, pipeline)
     return read_metrics(run.run_dir)
 
 

@@ -1,12 +1,16 @@
 """Async GRPO's rollout pipeline with the real workers in this process (``LocalGroup``: the
 generator works in its own thread while the trainer trains): the staleness bound, when it refits,
-the versions on rollouts, and the prompt accounting across a restart."""
+the versions on rollouts, the fixed-lag schedule (the same versions whichever side is slow, the
+same metrics twice), and the prompt accounting and exact replay across a restart."""
 
 from __future__ import annotations
 
+import json
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -142,6 +146,107 @@ def test_a_restarted_pipeline_regenerates_what_ran_ahead(tmp_path: Path) -> None
         records += [resumed.step(step) for step in (3, 4, 5)]
     assert [r["data/prompt_digest"] for r in records] == [_digest(source, s) for s in range(1, 6)]
     assert [r["async/staleness_max"] for r in records] == [0.0, 1.0, 0.0, 1.0, 1.0]
+
+
+STEPS = 6
+
+
+def _stable(records: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Every metric but the clocks' (seconds, rates) and the reward scorer's seconds."""
+    unstable = ("timing/", "throughput/", "refit/gb_per_s", "reward/score_s")
+    return [{k: v for k, v in r.items() if not k.startswith(unstable)} for r in records]
+
+
+def _slowed(method: Callable[..., Any], seconds: float) -> Callable[..., Any]:
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return method(*args, **kwargs)
+
+    return slow
+
+
+def _run(
+    config: GrpoConfig, steps: range, slow: str = "", resumed: dict[str, Any] | None = None
+) -> tuple[list[dict[str, float]], list[list[Any]]]:
+    """The pipeline's metrics over ``steps`` and each generation's rollouts, in order; ``slow``:
+    the trainer or the generator sleeps 0.4 s in each of its calls."""
+    source = make_prompt_source(config.data, DEFAULT_MODEL_DIR, load_reward("exact_match"), 0)
+    generations: list[list[Any]] = []
+    with _runtime(config) as runtime:
+        trainer = runtime.trainers.workers[0]  # type: ignore[attr-defined]
+        generator = runtime.generators.workers[0]  # type: ignore[union-attr]
+        if slow == "trainer":
+            trainer.train = _slowed(trainer.train, 0.4)
+        if slow == "generator":
+            generator.generate_timed = _slowed(generator.generate_timed, 0.4)
+        collect = runtime.collect
+        runtime.collect = lambda p: generations.append(collect(p)) or generations[-1]  # type: ignore[method-assign]
+        pipeline = RolloutPipeline(runtime, config, source, resumed)
+        records = [pipeline.step(step) for step in steps]
+    return records, generations
+
+
+@pytest.mark.parametrize("slow", ["trainer", "generator"])
+def test_fixed_lag_generates_each_step_from_exactly_k_versions_behind(
+    tmp_path: Path, slow: str
+) -> None:
+    """Conformance: whichever side is slow, step t's rollouts come from version max(0, t-1-k)
+    (never fresher, never staler); the free schedule under the same load stays within k but
+    trains fresher rollouts (it refits only when the bound forces it)."""
+    k = 2
+    lagged = (f"algorithm.max_staleness={k}", f"algorithm.num_steps={STEPS}")
+    fixed = _config(tmp_path, *lagged, "algorithm.async_schedule=fixed_lag")
+    records, generations = _run(fixed, range(1, STEPS + 1), slow)
+    lag = [min(k, t - 1) for t in range(1, STEPS + 1)]
+    assert [r["async/staleness"] for r in records] == lag
+    assert [r["async/staleness_mean"] for r in records] == lag
+    # each generation's rollouts all come from the one version its step is due from
+    versions = sorted({r.policy_version for r in g} for g in generations)
+    assert versions == [{max(0, t - 1 - k)} for t in range(1, STEPS + 1)]
+    # a refit after each step a later step is due from (t + 1 + k <= STEPS), none after
+    assert [r["async/refit"] for r in records] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert [r[f"async/staleness_count_{s}"] for s in range(k + 1) for r in records[-1:]] == [
+        16.0,
+        16.0,
+        64.0,
+    ]
+    free = _config(tmp_path, *lagged, "algorithm.async_schedule=free")
+    free_records, _ = _run(free, range(1, STEPS + 1), slow)
+    free_lag = [r["async/staleness"] for r in free_records]
+    assert all(s <= k for s in free_lag) and sum(free_lag) < sum(lag), free_lag
+
+
+def test_two_fixed_lag_runs_give_the_same_metrics(tmp_path: Path) -> None:
+    """With per-prompt seeds, what each step trains is a function of its prompts, its seed and
+    its version: the same config twice gives the same metrics, one of them slowed."""
+    config = _config(tmp_path, "algorithm.max_staleness=2", "algorithm.async_schedule=fixed_lag")
+    first, _ = _run(config, range(1, 6))
+    second, _ = _run(config, range(1, 6), slow="trainer")
+    assert _stable(first) == _stable(second)
+    assert len({r["train/loss"] for r in first}) == 5  # the steps differ from each other
+
+
+def test_a_fixed_lag_pipeline_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """A checkpoint after step 2 (the trainer's and the pipeline's state, through JSON); the
+    resumed pipeline trains steps 3-5 exactly as the uninterrupted one, though the weights that
+    generated step 3's rollouts (version 1, k = 1) are gone by then."""
+    config = _config(tmp_path, "algorithm.max_staleness=1", "algorithm.async_schedule=fixed_lag")
+    source = make_prompt_source(config.data, DEFAULT_MODEL_DIR, load_reward("exact_match"), 0)
+    checkpoint = tmp_path / "step_2"
+    with _runtime(config) as runtime:
+        straight = RolloutPipeline(runtime, config, source)
+        records = [straight.step(step) for step in (1, 2)]
+        state = json.loads(json.dumps({"step": 2, **straight.checkpoint_state()}))
+        runtime.save_checkpoint(str(checkpoint))
+        records += [straight.step(step) for step in (3, 4, 5)]
+    assert [b["step"] for b in state["pipeline"]["batches"]] == [3, 4]
+    assert {r["policy_version"] for r in state["pipeline"]["batches"][0]["rollouts"]} == {1}
+    with _runtime(config) as runtime:
+        runtime.load_checkpoint(str(checkpoint))
+        runtime.refit(version=2)  # as the driver's open_run does
+        resumed = RolloutPipeline(runtime, config, source, state)
+        again = [resumed.step(step) for step in (3, 4, 5)]
+    assert _stable(again) == _stable(records[2:])
 
 
 def test_max_staleness_needs_split_placement_and_a_correction(tmp_path: Path) -> None:

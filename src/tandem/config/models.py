@@ -279,6 +279,15 @@ class AlgorithmConfig(Section):
     (their KV cache recomputed), so the rest of their tokens are fresher and the trainer does
     not wait for the generation to end before refitting. Each token's logprob is that of the
     weights that sampled it; a rollout's version is the oldest of them."""
+    async_schedule: Literal["free", "fixed_lag"] = "free"
+    """Async GRPO (max_staleness = k > 0): which weights generate step t's rollouts. free: any
+    version from t - 1 - k on; the generators are refitted only when the bound forces it, so
+    a step's staleness is anywhere in [0, k] (in_flight refits land wherever the generation
+    has got to, and a resumed run may generate from fresher weights than the uninterrupted
+    one). fixed_lag: exactly version max(0, t - 1 - k), never fresher, never staler (a refit
+    after every step; the generators wait for the version they need): with sampling.seed set,
+    two runs of the same config, and a run resumed from a checkpoint, give the same metrics.
+    Needs refit_mode after_requests. docs/algorithms.md defines staleness."""
     eval_every: int = Field(5, ge=0)
     """Evaluate held-out accuracy every K steps (and at the end); 0 disables."""
     seed: int = 0
@@ -427,6 +436,11 @@ class GrpoConfig(Section):
             (self.cluster.placement != "split", "cluster.placement=split"),
             (algo.rollout_correction == "none", "an algorithm.rollout_correction (e.g. token_tis)"),
             (algo.refill_rounds > 0, "algorithm.refill_rounds=0 (refills are not pipelined)"),
+            (
+                algo.async_schedule == "fixed_lag" and algo.refit_mode == "in_flight",
+                "algorithm.refit_mode=after_requests with async_schedule=fixed_lag (an in-flight "
+                "refit lands wherever the generation has got to)",
+            ),
             (self.environment is not None, "no environment section (episodes are not pipelined)"),
             (
                 self.cluster.runtime == "in_process",
