@@ -1,5 +1,3 @@
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -78,14 +76,16 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
         (["grpo", "--config", "missing.yaml"], "recipe file not found: missing.yaml"),
     ],
 )
-def test_cli_config_errors_exit_nonzero_without_traceback(args: list[str], expected: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "tandem", *args], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 2
-    assert expected in result.stderr
-    assert "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) <= 3
+def test_cli_config_errors_exit_nonzero_without_traceback(
+    args: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tandem.cli import main
+
+    assert main(args) == 2
+    stderr = capsys.readouterr().err
+    assert expected in stderr
+    assert "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) <= 3
 
 
 def _spec(*overrides: str, in_flight_refit: bool = False) -> RuntimeSpec:
