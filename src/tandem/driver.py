@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from tandem.config import DpoConfig, GrpoConfig, SftConfig, save_resolved
 from tandem.config.models import RefitConfig
 from tandem.imports import resume_gc
+from tandem.logging.console import quiet_console
 from tandem.logging.metrics import MetricsLogger, read_metrics
 from tandem.logging.plots import plot_run
 from tandem.runs import Checkpoints, check_run_dir, make_run_dir, truncate_metrics
@@ -29,18 +30,21 @@ AnyConfig = TypeVar("AnyConfig", GrpoConfig, SftConfig, DpoConfig)
 
 def settle_runtime(
     config: AnyConfig, kind: str, resume: bool, **spec: Any
-) -> tuple[AnyConfig, RuntimeSpec]:
-    """The run's ``RuntimeSpec`` with ``cluster.runtime`` decided, and the config that records
-    it (its saved copy names where the workers ran); then the run folder's checks. Nothing has
-    started yet: a misfit or a folder that cannot be used is a user's error, before torch."""
+) -> tuple[AnyConfig, RuntimeSpec, Path]:
+    """The run's ``RuntimeSpec`` with ``cluster.runtime`` and ``generation.backend`` decided,
+    the config that records them (its saved copy names where the workers ran and what
+    generated), and the run's folder, checked. Nothing has started yet: a misfit or a folder
+    that cannot be used is a user's error, before torch."""
     from tandem.cluster.spec import RuntimeSpec
 
     parts = (config.cluster, config.policy, config.generation)
     refit = config.refit if isinstance(config, GrpoConfig) else RefitConfig()
     resolved = RuntimeSpec(*parts, refit, **spec).resolve()
-    config = config.model_copy(update={"cluster": resolved.cluster})
+    config = config.model_copy(
+        update={"cluster": resolved.cluster, "generation": resolved.generation}
+    )
     check_run_dir(config, kind, resume)
-    return config, resolved
+    return config, resolved, make_run_dir(config.logging, kind, resume)
 
 
 @contextmanager
@@ -109,14 +113,13 @@ class Run:
 
 @contextmanager
 def open_run(
-    config: GrpoConfig | SftConfig | DpoConfig, kind: str, resume: bool, runtime: Runtime
+    config: GrpoConfig | SftConfig | DpoConfig, run_dir: Path, resume: bool, runtime: Runtime
 ) -> Iterator[Run]:
     """The run folder with the resolved config in it; on ``resume`` the latest complete
     checkpoint is loaded (and refit into the generators) and later metrics dropped. When the
     block ends without an error, the policy is exported (``checkpoint.export_hf``) and the
     metrics plotted."""
     resume_gc()  # the start is over (``cli.main`` paused the collector for it)
-    run_dir = make_run_dir(config.logging, kind, resume)
     save_resolved(config, run_dir)
     checkpoints = Checkpoints(run_dir, config.checkpoint)
     start, resumed = 0, dict[str, Any]()
@@ -133,7 +136,7 @@ def open_run(
         if config.checkpoint.export_hf:
             runtime.export_hf(str((run_dir / "hf").resolve()))
             logger.info(f"trained policy (Hugging Face folder): {run_dir / 'hf'}")
-    plot_run(read_metrics(run_dir), run_dir / "reward.png", title=f"{kind}: {run_dir.name}")
+    plot_run(read_metrics(run_dir), run_dir / "reward.png", title=run_dir.name)
 
 
 def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
@@ -143,7 +146,7 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
 
     context = check_run_inputs(config.policy, config.generation, config.data)  # before torch
     algo, data = config.algorithm, config.data
-    config, spec = settle_runtime(
+    config, spec, run_dir = settle_runtime(
         config,
         "grpo",
         resume,
@@ -157,13 +160,17 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
     scorer = RewardScorer(
         data.reward, data.num_reward_workers, data.reward_timeout_s, data.invalid_reward
     )
-    with scorer, workers(spec, config.policy.model_path) as (runtime, tokenizer):
+    with (
+        quiet_console(run_dir / "logs" / "console.log", config.logging.verbose),
+        scorer,
+        workers(spec, config.policy.model_path) as (runtime, tokenizer),
+    ):
         from tandem.algorithms.async_grpo import RolloutPipeline
         from tandem.algorithms.grpo import grpo_step
 
         source = PromptSource(train, eval_items, tokenizer, scorer, algo.seed)
         check_prompt_lengths(source.longest_prompts(), context, config.generation)
-        with open_run(config, "grpo", resume, runtime) as run, environments(config) as envs:
+        with open_run(config, run_dir, resume, runtime) as run, environments(config) as envs:
             source.environments = envs
             pipeline = None
             if algo.max_staleness > 0:  # a resumed pipeline trains what its checkpoint holds
@@ -181,7 +188,7 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
                 if run.evaluates(step):
                     metrics.update(grpo_evaluation(runtime, source, config, pipeline))
                 run.log(step, metrics, pipeline)
-    return read_metrics(run.run_dir)
+    return read_metrics(run_dir)
 
 
 def grpo_evaluation(
@@ -232,15 +239,19 @@ def run_sft(config: SftConfig, resume: bool = False) -> list[dict[str, Any]]:
 
     context = check_run_inputs(config.policy, config.generation, config.data)  # before torch
     algo, data = config.algorithm, config.data
-    config, spec = settle_runtime(config, "sft", resume, total_steps=algo.num_steps)
+    config, spec, run_dir = settle_runtime(config, "sft", resume, total_steps=algo.num_steps)
     train, eval_items = load_prompt_items(data, algo.seed)
     scorer = RewardScorer(
         data.reward, data.num_reward_workers, data.reward_timeout_s, data.invalid_reward
     )
-    with scorer, workers(spec, config.policy.model_path) as (runtime, tokenizer):
+    with (
+        quiet_console(run_dir / "logs" / "console.log", config.logging.verbose),
+        scorer,
+        workers(spec, config.policy.model_path) as (runtime, tokenizer),
+    ):
         source = PromptSource(train, eval_items, tokenizer, scorer, algo.seed)
         check_prompt_lengths(source.longest_prompts(), context, config.generation)
-        with open_run(config, "sft", resume, runtime) as run:
+        with open_run(config, run_dir, resume, runtime) as run:
             if run.evaluates(0):
                 run.log(0, sft_evaluation(runtime, source, config))
             for step in run.steps():
@@ -250,7 +261,7 @@ def run_sft(config: SftConfig, resume: bool = False) -> list[dict[str, Any]]:
                 run.log(step, metrics)
         if config.output_dir is not None:
             runtime.export_hf(str(config.output_dir.resolve()))
-    return read_metrics(run.run_dir)
+    return read_metrics(run_dir)
 
 
 def sft_evaluation(runtime: Runtime, source: Any, config: SftConfig) -> dict[str, float]:
@@ -275,7 +286,7 @@ def run_dpo(config: DpoConfig, resume: bool = False) -> list[dict[str, Any]]:
     check_run_inputs(config.policy, config.generation, config.data)  # before torch
     algo = config.algorithm
     train, eval_pairs, eval_prompts = load_pairs(config.data, algo.seed)
-    config, spec = settle_runtime(
+    config, spec, run_dir = settle_runtime(
         config,
         "dpo",
         resume,
@@ -283,11 +294,14 @@ def run_dpo(config: DpoConfig, resume: bool = False) -> list[dict[str, Any]]:
         with_generators=bool(eval_prompts),
         total_steps=algo.num_steps,
     )
-    with workers(spec, config.policy.model_path) as (runtime, tokenizer):
+    with (
+        quiet_console(run_dir / "logs" / "console.log", config.logging.verbose),
+        workers(spec, config.policy.model_path) as (runtime, tokenizer),
+    ):
         exact_match = load_reward("exact_match")
         pairs = PromptSource(train, eval_pairs, tokenizer, exact_match, algo.seed)
         prompts = PromptSource(train, eval_prompts, tokenizer, exact_match, algo.seed)
-        with open_run(config, "dpo", resume, runtime) as run:
+        with open_run(config, run_dir, resume, runtime) as run:
             if run.evaluates(0):
                 run.log(0, dpo_evaluation(runtime, pairs, prompts, config))
             for step in run.steps():
@@ -297,7 +311,7 @@ def run_dpo(config: DpoConfig, resume: bool = False) -> list[dict[str, Any]]:
                 run.log(step, metrics)
         if config.output_dir is not None:
             runtime.export_hf(str(config.output_dir.resolve()))
-    return read_metrics(run.run_dir)
+    return read_metrics(run_dir)
 
 
 def dpo_evaluation(
