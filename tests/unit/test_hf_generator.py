@@ -169,19 +169,32 @@ def test_receive_weights_through_a_refit_copies_bucket_by_bucket(generator: HfGe
         sender.close()
 
 
-def test_gumbel_noise_draws_from_the_softmax_and_depends_only_on_key_and_step() -> None:
-    from tandem.generation.hf_generator import gumbel_noise, sample_keys
+def test_sampling_draws_from_the_softmax_and_depends_only_on_key_and_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The inverse-CDF draw: frequencies follow the softmax, filtered tokens never come,
+    the logprob is the raw logits' one, and row b's draw is a function of (its logits, key b,
+    step) whatever the rows around it and the block size; bf16 logits give the same."""
+    from tandem.generation.hf_generator import sample_keys, sample_tokens
 
-    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf")])
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0]).expand(40_000, 5)
     keys = sample_keys(list(range(40_000)), torch.device("cpu"))
-    draws = (logits + gumbel_noise(keys, step=3, vocab_size=5)).argmax(-1)
+    params = SamplingParams(temperature=1.0, top_k=4)
+    draws, logprobs = sample_tokens(logits, keys, 3, params)
     frequencies = torch.bincount(draws, minlength=5).double() / len(draws)
-    assert frequencies.tolist() == pytest.approx(torch.softmax(logits, -1).tolist(), abs=0.01)
-    assert frequencies[4] == 0  # filtered-out tokens are never drawn
-    # row b's noise is a function of (key b, step): the same in any batch, new at each step
-    alone = gumbel_noise(keys[7:8], step=3, vocab_size=5)
-    assert torch.equal(alone[0], gumbel_noise(keys, step=3, vocab_size=5)[7])
-    assert not torch.equal(alone, gumbel_noise(keys[7:8], step=4, vocab_size=5))
+    expected = [*torch.softmax(logits[0, :4], -1).tolist(), 0.0]
+    assert frequencies.tolist() == pytest.approx(expected, abs=0.01)
+    assert frequencies[4] == 0  # filtered out by top-k
+    assert torch.allclose(logprobs, torch.log_softmax(logits, -1).gather(-1, draws[:, None])[:, 0])
+    monkeypatch.setattr(hf_generator, "SAMPLE_BLOCK", 15)  # three rows a block
+    alone, _ = sample_tokens(logits[7:8], keys[7:8], 3, params)
+    assert alone[0] == draws[7]
+    blocked, _ = sample_tokens(logits[:100], keys[:100], 3, params)
+    assert torch.equal(blocked, draws[:100])
+    next_step, _ = sample_tokens(logits[:100], keys[:100], 4, params)
+    assert not torch.equal(next_step, draws[:100])
+    half, _ = sample_tokens(logits[:100].bfloat16(), keys[:100], 3, params)
+    assert torch.equal(half, draws[:100])  # these logits are exact in bf16
 
 
 def test_static_cache_decode_matches_the_dynamic_cache(generator: HfGenerator) -> None:
@@ -296,3 +309,35 @@ def test_stopped_rows_leave_the_decode_with_the_same_samples(
         assert c.response_logprobs == pytest.approx(w.response_logprobs, abs=1e-5)
         direct = _direct_logprobs(generator, c.prompt_token_ids, c.response_token_ids)
         assert c.response_logprobs == pytest.approx(direct.tolist(), abs=1e-5)
+
+
+def test_stopped_rows_leave_the_static_cache_decode(
+    generator: HfGenerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU's decode path (static cache; graphs aside) run on the CPU drops its stopped
+    rows too: fewer rows per step as samples finish, and the same samples as a decode that
+    keeps every row to the end."""
+    ids = _prompt_ids(generator)
+    params = SamplingParams(temperature=1.0, max_tokens=12, n=8, seed=2)
+    rows: list[int] = []
+
+    def record(_module: object, _args: object, kwargs: dict) -> None:
+        rows.append(kwargs["input_ids"].shape[0])
+
+    hook = generator.model.register_forward_pre_hook(record, with_kwargs=True)
+    generator.static_cache = True
+    try:
+        compacted = generator.generate(ids, params)
+        compacted_rows, rows[:] = list(rows), []
+        monkeypatch.setattr(hf_generator, "COMPACT_AT", 0.0)
+        whole = generator.generate(ids, params)
+    finally:
+        generator.static_cache = False
+        hook.remove()
+    assert set(rows) == {24}  # the static prefill runs every row; then every row to the end
+    assert min(compacted_rows) < 18 and sum(compacted_rows) < sum(rows)
+    assert compacted_rows == sorted(compacted_rows, reverse=True)
+    assert [r.response_token_ids for r in compacted] == [r.response_token_ids for r in whole]
+    assert [r.finish_reason for r in compacted] == [r.finish_reason for r in whole]
+    for c, w in zip(compacted, whole, strict=True):
+        assert c.response_logprobs == pytest.approx(w.response_logprobs, abs=1e-5)

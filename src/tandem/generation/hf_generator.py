@@ -6,14 +6,16 @@ the KV cache, left-padded batches) instead of ``model.generate``, for two reason
 gets its own seeded random stream (results do not depend on batch composition, like vLLM's
 per-request seeds), and the logprob of each sampled token is taken from the raw logits, which is
 vLLM's ``raw_logprobs`` semantics (see ``tandem.generation.base``). The loop stays on the device
-(per-row streams are counter-based noise, not one torch.Generator per row), with one host sync
-per step as in ``generate``. Each step runs under the generator's ``WeightGate``: when a refit
-landed since the previous step, the batch is prefilled again (prompts and the tokens so far)
-with the new weights before it goes on.
+(per-row streams are counter-based uniforms, not one torch.Generator per row; sampling is an
+inverse CDF over each row, no sort or noise over the vocabulary), with one host sync per step as
+in ``generate``; rows that finished leave the batch (``COMPACT_AT``). Each step runs under the
+generator's ``WeightGate``: when a refit landed since the previous step, the batch is prefilled
+again (prompts and the tokens so far) with the new weights before it goes on.
 
 On a GPU the decode steps run over a static KV cache with a prepared attention mask, and each
 step after the first is one CUDA graph replay: a small model's decode step is otherwise bound by
-the launch of its hundreds of kernels, not by the GPU.
+the launch of its hundreds of kernels, not by the GPU. When rows leave, the cache keeps only the
+others and the graph is captured again for the smaller batch.
 """
 
 from __future__ import annotations
@@ -41,9 +43,14 @@ log = logging.getLogger(__name__)
 
 
 COMPACT_AT = 0.75
-"""The CPU decode drops its stopped rows (their KV cache with them) once the rows still
-decoding are this fraction of the batch or fewer: each step then computes only those. The
-GPU's decode replays one CUDA graph of the whole batch and keeps it."""
+"""The decode drops its stopped rows (their KV cache with them) once the rows still decoding
+are this fraction of the batch or fewer: each step then computes only those."""
+COMPACT_AT_GRAPHS = 0.5
+"""``COMPACT_AT`` where decode steps replay a CUDA graph: each compaction captures the graph
+again for the smaller batch, so it waits for half the rows."""
+SAMPLE_BLOCK = 1 << 22
+"""fp32 elements of the block of rows that sampling takes at a time (16 MiB): the batch's
+logits stay in the model's dtype, only one block of rows is ever copied to fp32."""
 
 Decoder = tuple[
     torch.Tensor,
@@ -110,19 +117,16 @@ def sample_keys(seeds: list[int | None], device: torch.device) -> torch.Tensor:
     return _mix(torch.tensor(values, dtype=torch.long, device=device))
 
 
-def gumbel_noise(keys: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor:
-    """``[B, V]`` standard Gumbel noise, a pure function of (key of row b, step, token v): a
-    sample's stream does not depend on the batch around it (vLLM's per-request seeds give
-    the same property). argmax(logits + noise) is an exact draw from softmax(logits)."""
-    row = _mix(keys + _int64(step * _GOLDEN))
-    vocab = torch.arange(vocab_size, dtype=torch.long, device=keys.device) * _GOLDEN
-    bits = (_mix(row[:, None] + vocab) >> 40) & (2**24 - 1)
-    uniform = (bits.to(torch.float32) + 0.5) * 2.0**-24  # in (0, 1)
-    return -torch.log(-torch.log(uniform))
+def uniform_draws(keys: torch.Tensor, step: int) -> torch.Tensor:
+    """``[B]`` uniforms in (0, 1), a pure function of (key of row b, step): a sample's stream
+    does not depend on the batch around it (vLLM's per-request seeds give the same property)."""
+    bits = (_mix(keys + _int64(step * _GOLDEN)) >> 40) & (2**24 - 1)
+    return (bits.to(torch.float32) + 0.5) * 2.0**-24
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k and top-p applied to ``[B, V]`` logits (-inf outside the support)."""
+    """Temperature, top-k and top-p applied to ``[B, V]`` logits (-inf outside the support).
+    Only top-p sorts the vocabulary, and only when it is set."""
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
@@ -135,6 +139,55 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+def sample_tokens(
+    logits: torch.Tensor, keys: torch.Tensor, step: int, params: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next token of each row and its logprob under the raw logits (vLLM's
+    ``raw_logprobs``), from ``[B, V]`` logits in the model's dtype.
+
+    Greedy, or inverse-CDF sampling of the filtered distribution with one counter-based
+    uniform per row (``uniform_draws``): exact sampling from a cumulative sum, no sort and no
+    noise over the vocabulary. Rows go through fp32 a block at a time (``SAMPLE_BLOCK``), so a
+    151,936-token vocabulary costs no fp32 copy of the batch's logits."""
+    size, vocab = logits.shape
+    rows = max(1, SAMPLE_BLOCK // vocab)
+    uniform = None if params.temperature == 0 else uniform_draws(keys, step)
+    plain = params.temperature == 1 and params.top_p >= 1 and not 0 < params.top_k < vocab
+    tokens, logprobs = [], []
+    for start in range(0, size, rows):
+        block = logits[start : start + rows].float()
+        top = block.max(dim=-1, keepdim=True).values
+        weights = (block - top).exp_()  # the softmax's numerators, in (0, 1]
+        lse = top[:, 0] + weights.sum(-1).log()
+        if uniform is None:
+            token = block.argmax(dim=-1)
+        else:
+            if not plain:  # the filtered distribution's own numerators
+                weights = torch.softmax(filter_logits(block, params), dim=-1)
+            cdf = weights.cumsum_(-1)
+            target = uniform[start : start + rows, None] * cdf[:, -1:]
+            token = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=vocab - 1)
+        tokens.append(token)
+        logprobs.append(block.gather(-1, token[:, None])[:, 0] - lse)
+    return torch.cat(tokens), torch.cat(logprobs)
+
+
+def rows_selectable(cache: Any) -> bool:
+    """Whether ``select_static_rows`` can shrink ``cache``: its layers hold their key/value
+    tensors as ``keys``/``values`` (transformers 5's ``StaticCache`` after the prefill)."""
+    layers = getattr(cache, "layers", None) or []
+    return bool(layers) and all(hasattr(layer, "keys") for layer in layers)
+
+
+def select_static_rows(cache: Any, index: torch.Tensor) -> None:
+    """Keep rows ``index`` of a transformers ``StaticCache`` (new, smaller key/value
+    tensors; the old ones are freed)."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[index], layer.values[index]
+        if hasattr(layer, "batch_size"):
+            layer.batch_size = len(index)
 
 
 class HfGenerator(Generator):
@@ -219,8 +272,9 @@ class HfGenerator(Generator):
         self, prompts: list[list[int]], seeds: list[int | None], params: SamplingParams
     ) -> list[_Sample]:
         """Decode a left-padded batch on the device: one host sync per step (the "all done"
-        check), as ``transformers.generate``; finished rows keep decoding padding until all
-        are done. Stop strings need the text, so with ``params.stop`` the new tokens come to
+        check), as ``transformers.generate``; once enough rows have finished
+        (``_compact_at``) they leave the batch with their KV cache, so a long straggler
+        decodes alone. Stop strings need the text, so with ``params.stop`` the new tokens come to
         the host every step."""
         size, width = len(prompts), max(len(p) for p in prompts)
         steps = params.max_tokens
@@ -252,10 +306,8 @@ class HfGenerator(Generator):
                     first = step
                 else:
                     logits = advance(_pick(token, rows), step - 1 - first)
-                logits = logits.float()
-                token = self._sample(logits, _pick(keys, rows), step, params)
+                token, logprob = self._sample(logits, _pick(keys, rows), step, params)
             versions.append(version)
-            logprob = torch.log_softmax(logits, dim=-1).gather(-1, token[:, None])[:, 0]
             if rows is not None:  # back to the whole batch; the rows left out have stopped
                 token = torch.full_like(lengths, self.pad_token_id).index_copy_(0, rows, token)
                 logprob = logprobs.new_zeros(size).index_copy_(0, rows, logprob)
@@ -268,9 +320,9 @@ class HfGenerator(Generator):
                 self._cut_stop_strings(tokens, lengths, stopped, stop_cut, params.stop)
             if step + 1 == steps or bool(stopped.all()):
                 break
-            if keep is not None:  # drop the stopped rows once they are a quarter of the batch
+            if keep is not None:  # drop the stopped rows once they are a part of the batch
                 live = ~_pick(stopped, rows)
-                if int(live.sum()) <= len(live) * COMPACT_AT:
+                if int(live.sum()) <= len(live) * self._compact_at():
                     index = live.nonzero().flatten()
                     keep(index)
                     rows = _pick(torch.arange(size, device=self.device), rows)[index]
@@ -364,38 +416,49 @@ class HfGenerator(Generator):
             **self._cache_position(torch.arange(width, device=self.device)),
         )
         # The decode step's inputs: written before each step, read by the graph.
-        token_in = torch.zeros((size, 1), dtype=torch.long, device=self.device)
-        position_in = position_ids[:, -1:].clone()
-        mask_in = valid[:, None, None, :].clone()  # [B, 1, 1, length]
-        cache_position_in = torch.full((1,), width, dtype=torch.long, device=self.device)
+        state = {
+            "token": torch.zeros((size, 1), dtype=torch.long, device=self.device),
+            "position": position_ids[:, -1:].clone(),
+            "mask": valid[:, None, None, :].clone(),  # [B, 1, 1, length]
+            "cache_position": torch.full((1,), width, dtype=torch.long, device=self.device),
+        }
 
         def forward() -> torch.Tensor:
             out = self.model(
-                input_ids=token_in,
-                attention_mask=mask_in,
-                position_ids=position_in,
+                input_ids=state["token"],
+                attention_mask=state["mask"],
+                position_ids=state["position"],
                 past_key_values=cache,
                 use_cache=True,
-                **self._cache_position(cache_position_in),
+                **self._cache_position(state["cache_position"]),
             )
             return out.logits[:, -1, :]
 
         graph: dict[str, Any] = {}
 
         def advance(token: torch.Tensor, step: int) -> torch.Tensor:
-            token_in.copy_(token[:, None])
-            position_in.add_(1)
-            mask_in[..., width + step] = True
-            cache_position_in.fill_(width + step)
-            # the first step runs eagerly: it also warms the kernels up for the capture
-            if step > 0 and self.cuda_graphs and "logits" not in graph:
-                self._capture(forward, graph)  # records the step; runs nothing
+            state["token"].copy_(token[:, None])
+            state["position"].add_(1)
+            state["mask"][..., width + step] = True
+            state["cache_position"].fill_(width + step)
+            # a batch's first step runs eagerly: it also warms the kernels up for the capture
+            if self.cuda_graphs and "logits" not in graph:
+                if graph.pop("warm", False):
+                    self._capture(forward, graph)  # records the step; runs nothing
+                else:
+                    graph["warm"] = True
             if "logits" in graph:
                 graph["graph"].replay()
                 return graph["logits"].clone()
             return forward()
 
-        return out.logits[:, -1, :], advance, None
+        def keep(index: torch.Tensor) -> None:
+            select_static_rows(cache, index)
+            for name in ("token", "position", "mask"):
+                state[name] = state[name][index]
+            graph.clear()  # captured for the larger batch; its memory goes with it
+
+        return out.logits[:, -1, :], advance, keep if rows_selectable(cache) else None
 
     def _cache_position(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """``cache_position`` for the transformers releases whose models still take it."""
@@ -450,13 +513,13 @@ class HfGenerator(Generator):
 
     def _sample(
         self, logits: torch.Tensor, keys: torch.Tensor, step: int, params: SamplingParams
-    ) -> torch.Tensor:
-        """Greedy, or a Gumbel-max draw from the filtered distribution with each row's own
-        counter-based noise (``gumbel_noise``): exact sampling, one kernel for the batch."""
-        if params.temperature == 0:
-            return logits.argmax(dim=-1)
-        filtered = filter_logits(logits, params)
-        return (filtered + gumbel_noise(keys, step, logits.shape[-1])).argmax(dim=-1)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step's tokens and their logprobs (``sample_tokens``)."""
+        return sample_tokens(logits, keys, step, params)
+
+    def _compact_at(self) -> float:
+        """The fraction of rows left at which the decode drops its stopped rows."""
+        return COMPACT_AT_GRAPHS if self.cuda_graphs else COMPACT_AT
 
     def _decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
