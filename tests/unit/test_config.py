@@ -168,6 +168,8 @@ def test_auto_runs_in_process_where_the_run_fits(
 def test_auto_generates_with_vllm_where_the_run_has_gpus_or_fp8(
     cpu_machine_with_vllm: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from tandem import machine
+
     def backend(*overrides: str) -> str:
         return _spec(*overrides).resolve().generation.backend
 
@@ -181,5 +183,21 @@ def test_auto_generates_with_vllm_where_the_run_has_gpus_or_fp8(
     monkeypatch.delenv("RAY_ADDRESS")
     cpu_machine_with_vllm.append("/dev/nvidia0")
     assert backend() == "vllm" and backend("generation.backend=hf") == "hf"
+    monkeypatch.setattr(machine, "find_spec", lambda name: None)  # an interpreter without vllm
+    assert backend("cluster.env_mode=shared") == "hf"  # the generators run in it
+    assert backend() == "vllm"  # their own environment installs it
     with pytest.raises(ConfigError, match=r"precision=fp8 needs generation\.backend=vllm"):
         load_config(GrpoConfig, None, ["generation.backend=hf", "generation.precision=fp8"])
+
+
+def test_in_process_with_a_bad_setting_is_an_error_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tandem.cli import main
+
+    args = ["grpo", "cluster.runtime=in_process", "generation.tensor_parallel_size=2"]
+    assert main([*args, f"logging.run_dir={tmp_path}"]) == 2
+    stderr = capsys.readouterr().err
+    assert "cluster.runtime=in_process needs generation.tensor_parallel_size=1" in stderr
+    assert "Traceback" not in stderr
+    assert not any(tmp_path.iterdir())  # nothing written

@@ -5,6 +5,7 @@ both before Ray starts and torch imports."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from importlib.util import find_spec
 
@@ -32,7 +33,8 @@ class RuntimeSpec:
         becomes ``in_process`` where the run fits one process (``in_process_misfits`` is
         empty), else ``ray``; an explicit ``in_process`` that does not fit is an error naming
         every misfit."""
-        backend = machine.generator_backend(self.generation, self.cluster.address)
+        shared = (os.environ.get("TANDEM_ENV_MODE") or self.cluster.env_mode) == "shared"
+        backend = machine.generator_backend(self.generation, self.cluster.address, shared)
         generation = self.generation.model_copy(update={"backend": backend})
         spec = dataclasses.replace(self, generation=generation)
         if spec.cluster.runtime == "ray":
