@@ -4,7 +4,7 @@ A client process waits for keys the server process sets 5 ms apart, either block
 ``multi_get`` or polling ``check``; it reports when it saw each key. Prints, per way of waiting,
 the median time from the ``set`` returning to the waiter seeing the key, the median ``set``, and
 the round trip of a ``multi_get`` of a key that is already there: what each signal of a refit
-costs (docs/performance.md).
+costs (figures: docs/benchmarks/2026-12-03-gpu-refit-offload-mfu.md).
 
     PYTHONPATH=src:bench python bench/store_latency.py
 """

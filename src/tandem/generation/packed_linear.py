@@ -1,10 +1,11 @@
 """Linear layers of the CPU generator with their weights pre-packed for oneDNN.
 
-``F.linear`` on a CPU runs MKL's GEMM, which on this AMD machine (AVX-512) computed a decode
-step's small-batch products at 100-170 GFLOP/s; oneDNN's, over a weight reordered once into its
-blocked layout, at 220 (the layout vLLM-cpu keeps for its linear layers). Below about 0.5 MiB a
+``F.linear`` on a CPU runs MKL's GEMM, which on an AMD CPU takes MKL's AVX2 path and computes a
+decode step's small-batch products markedly slower than oneDNN over a weight reordered once into
+its blocked layout (the layout vLLM-cpu keeps for its linear layers). Below about 0.5 MiB a
 weight's product is too small to pay for oneDNN's per-call cost, and those layers stay plain
-(the embedded 0.8M-parameter model has none above it). ``docs/performance.md`` has the figures.
+(the embedded 0.8M-parameter model has none above it). Figures:
+docs/benchmarks/2026-12-05-cpu-e2e-amd.md.
 
 A packed layer keeps its ``weight`` and ``bias`` parameters (the same tensors, under the same
 names), so a refit still copies into them; the generator then calls ``repack`` for the packed
