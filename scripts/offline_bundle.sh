@@ -23,7 +23,7 @@ python_version=3.12
 ray_version=2.60.0
 platforms=()
 dry_run=0
-# Pinned where uv.lock pins them, so the target runs the versions the tests ran.
+# The versions tandem is tested with (uv.lock's where it has them); unpinned ones take PyPI's latest.
 packages=(
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   jsonschema referencing rpds-py jsonschema-specifications
