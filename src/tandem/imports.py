@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import gc
 import importlib
+import traceback
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -19,17 +20,39 @@ def import_named(kind: str, spec: str, builtins: Iterable[str], example: str) ->
             f"{kind} {spec!r} is neither a built-in ({', '.join(builtins)}) nor an import path "
             f"'package.module:{example}'"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(
-            f"{kind} {spec!r}: cannot import module {module_name!r} ({exc}); check the path and "
-            "that the module is installed or on PYTHONPATH"
-        ) from exc
+    module = _import_module(kind, spec, module_name)
     found = getattr(module, attr, None)
     if found is None:
         raise ValueError(f"{kind} {spec!r}: module {module_name!r} has no attribute {attr!r}")
     return found
+
+
+def _import_module(kind: str, spec: str, module_name: str) -> object:
+    """The module of a user's ``spec``; whatever stops its import (not found, a dependency it
+    lacks, a syntax error, an exception in its body) is a ValueError saying which."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and f"{module_name}.".startswith(f"{exc.name}."):
+            raise ValueError(
+                f"{kind} {spec!r}: cannot import module {module_name!r} ({exc}); check the path "
+                "and that the module is installed or on PYTHONPATH"
+            ) from None
+        raise ValueError(
+            f"{kind} {spec!r}: module {module_name!r} imports {exc.name!r}, which is not "
+            f"installed ({exc})"
+        ) from None
+    except SyntaxError as exc:
+        raise ValueError(
+            f"{kind} {spec!r}: module {module_name!r} has a syntax error: {exc.filename}, line "
+            f"{exc.lineno}: {exc.msg}"
+        ) from None
+    except Exception as exc:  # the module's own code raised while it was imported
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        raise ValueError(
+            f"{kind} {spec!r}: importing module {module_name!r} raised "
+            f"{type(exc).__name__}: {exc} ({where.filename}, line {where.lineno})"
+        ) from None
 
 
 _paused = False

@@ -42,10 +42,7 @@ def read_recipe(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     path = path.resolve()
     if path in _seen:
         raise ConfigError(f"recipe {path} includes itself through 'defaults:'")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"recipe {path} is not valid YAML: {err}") from None
+    data = parse_yaml(path) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"recipe {path} must be a mapping of sections, got {type(data).__name__}")
     parent = data.pop("defaults", None)
@@ -56,6 +53,52 @@ def read_recipe(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         parent_path = path.parent / parent_path
     base = read_recipe(resolve_recipe(parent_path), (*_seen, path))
     return deep_merge(base, data)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key given twice in one mapping is an error (PyYAML keeps the
+    last value silently, so a recipe that sets a key twice would run with the one not meant)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(
+                    f"{self.name}: {key!r} given twice (line {line}; first on line {seen[key]}): "
+                    "keep one"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_text(path: Path, what: str) -> str:
+    """The text of ``path`` as UTF-8, with a byte-order mark (Windows tools write one) dropped;
+    text in another encoding is an error saying so."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+        guess = " (it is UTF-16: save it as UTF-8)" if utf16 else ""
+        raise ConfigError(
+            f"{what} {path} is not UTF-8 text{guess}: byte {err.start} is {raw[err.start]:#x}"
+        ) from None
+
+
+def parse_yaml(path: Path) -> Any:
+    """The YAML document of ``path``; a key given twice, bad syntax or an encoding other than
+    UTF-8 is a ``ConfigError`` naming the file and the line."""
+    text = read_text(path, "recipe")
+    loader = _UniqueKeyLoader(text)
+    loader.name = str(path)
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as err:
+        raise ConfigError(f"recipe {path} is not valid YAML: {err}") from None
+    finally:
+        loader.dispose()
 
 
 def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -74,7 +117,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override {item!r} must look like section.key=value")
+            hint = ""
+            if item.endswith((".yaml", ".yml")) or (RECIPES_DIR / f"{item}.yaml").is_file():
+                hint = f" (a recipe is given as --config {item})"
+            raise ConfigError(f"override {item!r} must look like section.key=value{hint}")
         value = yaml.safe_load(raw) if raw else ""
         node = data
         parts = key.split(".")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from typing import Any
+
 from tandem.imports import import_named
 from tandem.rewards.base import RewardFn, checked
 from tandem.rewards.exact_match import exact_match
@@ -21,7 +25,24 @@ def _import_reward(spec: str) -> RewardFn:
     if not callable(fn):
         attr = spec.partition(":")[2]
         raise ValueError(f"reward {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    check_signature(fn, spec)
     return fn  # type: ignore[no-any-return]
+
+
+def check_signature(fn: Callable[..., Any], spec: str) -> None:
+    """``fn`` can be called as ``fn(prompt, response, answer)``; otherwise a ValueError saying
+    which arguments a reward takes (before the first sample, not as a TypeError in a worker)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: its first call will tell
+        return
+    try:
+        signature.bind("prompt", "response", "answer")
+    except TypeError as err:
+        raise ValueError(
+            f"reward {spec!r} takes {signature}, but a reward is called with three positional "
+            f"arguments (prompt, response, answer) and returns a float ({err})"
+        ) from None
 
 
 def resolve_reward(spec: str) -> RewardFn:

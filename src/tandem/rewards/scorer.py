@@ -4,23 +4,31 @@ timeout, and every result checked to be a finite number.
 A reward that raises stops the run with the user's own traceback (once) and the sample; one
 that returns NaN, inf or a non-number, or that hangs, stops it naming the sample, or with
 ``data.invalid_reward=zero`` scores 0 and is counted (``reward/invalid_count``,
-``reward/timeout_count``).
+``reward/timeout_count``). A reward that kills its process stops the run naming the exit.
+
+Each worker is a process of its own with a pipe, not a ``multiprocessing.Pool``: a pool cannot
+stop one hung task (only the whole pool, whose ``terminate`` then waits for a worker that
+ignores SIGTERM, or for the queue lock a killed worker held), and it silently replaces a worker
+that died, leaving its task unanswered. Here a hung or dead worker is killed and replaced, and
+no lock or semaphore is shared with it.
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing
-import multiprocessing.pool
+import multiprocessing.connection
 import numbers
+import signal
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tandem.rewards.base import RewardError, RewardFn, clip_text
-from tandem.rewards.registry import BOUNDED_REWARDS, resolve_reward
+from tandem.rewards.registry import BOUNDED_REWARDS, check_signature, resolve_reward
 
 Sample = tuple[str, str, str]
 """(prompt, response, answer) of one rollout."""
@@ -45,15 +53,52 @@ def _load(spec: str) -> RewardFn:
     return fn
 
 
-def _warm_up(spec: str) -> None:
-    """A worker's first task: the import done, and long enough that each worker takes one."""
-    _load(spec)
-    time.sleep(0.05)
+def _serve(spec: str, conn: multiprocessing.connection.Connection) -> None:
+    """A worker process: the reward imported (then "ready"), then one result per sample it is
+    sent, until its pipe closes. Ctrl-C reaches the whole process group; the driver handles it
+    and stops the workers, so they ignore it (no traceback of theirs on the console)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fn = _load(spec)
+    conn.send(("ready", None))
+    while True:
+        try:
+            sample = conn.recv()
+        except (EOFError, OSError):
+            return
+        conn.send(_call(fn, sample))
 
 
-def _score_one(spec: str, sample: Sample) -> tuple[str, Any]:
-    """Runs in a worker: ("ok", float) | ("invalid", description) | ("raised", traceback)."""
-    return _call(_load(spec), sample)
+class _Worker:
+    """One scoring process, its pipe, and the sample it is scoring."""
+
+    def __init__(self, spec: str):
+        context = multiprocessing.get_context("spawn")  # the driver holds threads (Ray's, torch's)
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(spec, child), daemon=True)
+        self.process.start()
+        child.close()
+        self.ready = False
+        self.task: int | None = None
+        self.deadline = 0.0
+
+    def send(self, index: int, sample: Sample, timeout_s: float) -> None:
+        self.conn.send(sample)
+        self.task, self.deadline = index, time.monotonic() + timeout_s
+
+    def exit_description(self) -> str:
+        self.process.join(timeout=5)
+        code = self.process.exitcode
+        if code is not None and code < 0:
+            return f"signal {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    def stop(self) -> None:
+        """Killed outright: it holds nothing of the driver's, and a hung reward may ignore
+        SIGTERM."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
 
 
 def _call(fn: Callable[[str, str, str], float], sample: Sample) -> tuple[str, Any]:
@@ -91,10 +136,12 @@ class RewardScorer:
             timeout_s,
             invalid,
         )
+        if fn is not None:
+            check_signature(fn, spec)
         self.fn: Callable[[str, str, str], float] = (
             fn if fn is not None else resolve_reward(spec)
         )  # import errors surface now
-        self._pool: multiprocessing.pool.Pool | None = None
+        self._workers: list[_Worker] = []
 
     def __enter__(self) -> RewardScorer:
         return self
@@ -103,10 +150,9 @@ class RewardScorer:
         self.close()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.stop()
 
     def __call__(self, prompt: str, response: str, answer: str) -> float:
         """One sample, in this process (a plain ``RewardFn``)."""
@@ -131,37 +177,61 @@ class RewardScorer:
     def _results(self, samples: Sequence[Sample]) -> list[tuple[str, Any]]:
         if self.num_workers == 0:
             return [_call(self.fn, sample) for sample in samples]
-        results: list[tuple[str, Any]] = []
-        while len(results) < len(samples):
-            pool = self._ensure_pool()
-            pending = [
-                pool.apply_async(_score_one, (self.spec, sample))
-                for sample in samples[len(results) :]
-            ]
-            for job in pending:
-                try:
-                    # results come in order: when the previous one is in, this one has had its
-                    # own worker for at least this long
-                    results.append(job.get(timeout=self.timeout_s))
-                except multiprocessing.TimeoutError:
-                    self.close()  # the only way to stop a hung worker; the rest are re-sent
-                    results.append(("timeout", self.timeout_s))
-                    break
-        return results
+        while len(self._workers) < self.num_workers:
+            self._workers.append(_Worker(self.spec))
+        results: list[tuple[str, Any] | None] = [None] * len(samples)
+        queue = deque(range(len(samples)))
+        while queue or any(w.task is not None for w in self._workers):
+            for worker in self._workers:  # a sample's time counts from when a ready worker has it
+                if worker.ready and worker.task is None and queue:
+                    index = queue.popleft()
+                    worker.send(index, samples[index], self.timeout_s)
+            self._wait(samples, results)
+        return [result for result in results if result is not None]
 
-    def _ensure_pool(self) -> multiprocessing.pool.Pool:
-        if self._pool is None:
-            # spawn: the driver holds Ray's threads, which a fork would copy mid-state
-            self._pool = multiprocessing.get_context("spawn").Pool(self.num_workers)
-            # started and imported before any sample's time counts
-            self._pool.map(_warm_up, [self.spec] * self.num_workers, chunksize=1)
-        return self._pool
+    def _wait(self, samples: Sequence[Sample], results: list[tuple[str, Any] | None]) -> None:
+        """One wait for a message (a result, a worker ready) or the next deadline; a worker past
+        its deadline is replaced (its sample timed out), one that died stops the run."""
+        busy = [w.deadline for w in self._workers if w.task is not None]
+        # a worker that starts (spawn, imports) gets as long as a sample, at least a minute
+        timeout = min(busy) - time.monotonic() if busy else max(self.timeout_s, 60.0)
+        ready = multiprocessing.connection.wait([w.conn for w in self._workers], max(timeout, 0))
+        for worker in self._workers:
+            if worker.conn not in ready:
+                continue
+            try:
+                status, value = worker.conn.recv()
+            except (EOFError, OSError):
+                pending = samples[worker.task] if worker.task is not None else None
+                raise RewardError(self._died_message(worker.exit_description(), pending)) from None
+            if status == "ready":
+                worker.ready = True
+            else:
+                assert worker.task is not None
+                results[worker.task], worker.task = (status, value), None
+        if not ready and not busy:
+            raise RewardError(
+                f"reward {self.spec!r}: no worker process started within {timeout:g} s"
+            )
+        now = time.monotonic()
+        for position, worker in enumerate(self._workers):
+            if worker.task is not None and worker.deadline <= now:
+                results[worker.task] = ("timeout", self.timeout_s)
+                worker.stop()
+                self._workers[position] = _Worker(self.spec)
 
     def _describe(self, sample: Sample) -> str:
         prompt, response, answer = sample
         return (
             f"reward {self.spec!r} on the sample prompt={clip_text(prompt)!r}, "
             f"response={clip_text(response)!r}, answer={clip_text(answer)!r}"
+        )
+
+    def _died_message(self, how: str, sample: Sample | None) -> str:
+        what = self._describe(sample) if sample is not None else f"reward {self.spec!r}"
+        return (
+            f"{what}: its worker process died ({how}); a reward must return a float, not exit "
+            "or kill its process"
         )
 
     def _invalid_message(self, sample: Sample, status: str, value: Any) -> str:
