@@ -1,5 +1,6 @@
-"""Token logprobs from a causal LM without materialising full-vocabulary fp32 logits for the
-whole batch: the LM head and log-softmax run over chunks of tokens."""
+"""Token logprobs from a causal LM without materialising full-vocabulary logits for the whole
+batch: the LM head, the log-softmax and their backward run over chunks of tokens
+(``ChunkedTokenLogprobs``)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,115 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+
+MAX_CHUNK_LOGITS = 1 << 26
+"""Most logits (tokens x vocabulary) one chunk computes: 256 MiB in fp32, so a 151,936-token
+vocabulary takes chunks of at most 441 tokens whatever ``chunk_size`` says."""
 
 
-def _chunk_logprobs(
-    hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+def chunk_rows(chunk_size: int, vocab_size: int) -> int:
+    """Tokens per chunk: ``chunk_size``, capped by ``MAX_CHUNK_LOGITS``."""
+    return max(1, min(chunk_size, MAX_CHUNK_LOGITS // vocab_size))
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """``log softmax(hidden @ weight.T)[i, targets[i]]`` and the entropy of each row, chunk by
+    chunk of tokens, with a backward that recomputes one chunk's logits at a time.
+
+    Forward keeps only each token's log-normaliser (fp32) besides its inputs; backward forms
+    the logits' gradient of a chunk (``grad_logprob * (onehot - p)``, plus the entropy's
+    ``-grad_entropy * p * (log p + H)``) in place of its fp32 logits, then feeds the head's two
+    matmuls in the compute dtype. Peak extra memory: one chunk's fp32 logits and their cast,
+    whatever the number of tokens."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        rows: int,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        count = hidden.shape[0]
+        picked = hidden.new_zeros(count, dtype=torch.float32)
+        entropy = torch.zeros_like(picked)
+        lse = torch.zeros_like(picked)
+        for start in range(0, count, rows):
+            part = slice(start, start + rows)
+            # the head in the model dtype (tensor cores for bf16, as vLLM), softmax in fp32
+            logits = F.linear(hidden[part], weight).float()
+            lse[part] = torch.logsumexp(logits, dim=-1)
+            picked[part] = logits.gather(-1, targets[part, None])[:, 0] - lse[part]
+            if with_entropy:
+                logp = logits.sub_(lse[part, None])
+                entropy[part] = -logp.exp().mul_(logp).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.rows = rows
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return picked, entropy
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_picked: torch.Tensor | None, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+        hidden, weight, targets, lse = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.shape[0], ctx.rows):
+            part = slice(start, start + ctx.rows)
+            h = hidden[part]
+            logp = F.linear(h, weight).float().sub_(lse[part, None])
+            grad = _logits_grad(
+                logp, targets[part], _part(grad_picked, part), _part(grad_entropy, part)
+            )
+            grad = grad.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[part] = grad @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.T, h)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _part(grad: torch.Tensor | None, part: slice) -> torch.Tensor | None:
+    return None if grad is None else grad[part]
+
+
+def _logits_grad(
+    logp: torch.Tensor,
+    targets: torch.Tensor,
+    grad_picked: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+) -> torch.Tensor:
+    """The gradient on a chunk's logits, written over ``logp`` (its fp32 log-softmax):
+    ``g_lp * (onehot - p) - g_H * p * (log p + H)``."""
+    if grad_entropy is not None:
+        shifted = logp.exp() * logp
+        entropy = -shifted.sum(-1, keepdim=True)
+        shifted = logp.add(entropy)  # log p + H
+    probs = logp.exp_()
+    scale = torch.zeros_like(probs[:, 0]) if grad_picked is None else grad_picked
+    if grad_entropy is not None:
+        grad = probs.mul_(shifted.mul_(grad_entropy[:, None]).add_(scale[:, None])).neg_()
+    else:
+        grad = probs.mul_(-scale[:, None])
+    if grad_picked is not None:
+        grad.scatter_add_(-1, targets[:, None], grad_picked[:, None].to(grad.dtype))
+    return grad
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int,
+    with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # the head runs in the model dtype (tensor cores for bf16, as vLLM does); softmax in fp32,
-    # and only one chunk of fp32 logits exists at a time
-    logits = F.linear(hidden, head_weight).float()
-    logp = torch.log_softmax(logits, dim=-1)
-    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(picked)
-    return picked, entropy
+    """``[N]`` fp32 logprobs of ``targets`` under ``hidden @ weight.T`` and the entropies
+    (zeros without ``with_entropy``), through ``ChunkedTokenLogprobs``."""
+    rows = chunk_rows(chunk_size, weight.shape[0])
+    return ChunkedTokenLogprobs.apply(hidden, weight, targets, rows, with_entropy)  # type: ignore[no-any-return]
 
 
 def right_padded(attention_mask: torch.Tensor) -> bool:
@@ -39,10 +136,10 @@ class LogprobModel(nn.Module):
     (entry t = log p(token t | tokens < t), entry 0 = 0) and the entropy of each prediction.
 
     Being the FSDP root, it gathers the embeddings, final norm and LM head for its forward.
-    Without gradients each chunk's logits are freed before the next chunk. With gradients,
-    autograd would keep every chunk's logits (and their softmax) for backward, so each chunk runs
-    under ``torch.utils.checkpoint``: backward keeps only the chunk's hidden states and
-    recomputes one chunk's logits at a time (one extra LM-head matmul per chunk).
+    The LM head and the log-softmax run chunk by chunk of tokens (``ChunkedTokenLogprobs``):
+    forward keeps only the hidden states and one log-normaliser per token, backward
+    recomputes one chunk's logits at a time (one extra LM-head matmul per chunk), so
+    ``[tokens, vocab]`` logits never exist.
     """
 
     def __init__(self, lm: nn.Module, chunk_size: int):
@@ -85,25 +182,15 @@ class LogprobModel(nn.Module):
             flat_hidden = hidden.reshape(-1, hidden.shape[-1])[sources]
             flat_targets = targets
         head_weight = lm.get_output_embeddings().weight
-        picked, entropy = [], []
-        for start in range(0, flat_targets.numel(), self.chunk_size):
-            h = flat_hidden[start : start + self.chunk_size]
-            t = flat_targets[start : start + self.chunk_size]
-            if torch.is_grad_enabled():
-                lp, ent = checkpoint(
-                    _chunk_logprobs, h, head_weight, t, with_entropy, use_reentrant=False
-                )
-            else:
-                lp, ent = _chunk_logprobs(h, head_weight, t, with_entropy)
-            picked.append(lp)
-            entropy.append(ent)
+        picked, entropy = token_logprobs(
+            flat_hidden, head_weight, flat_targets, self.chunk_size, with_entropy
+        )
         if sources is not None:
-            empty = hidden.new_zeros(0, dtype=torch.float32)
-            return torch.cat(picked) if picked else empty, torch.cat(entropy) if entropy else empty
+            return picked, entropy
         shape = (input_ids.shape[0], input_ids.shape[1] - 1)
         zeros = torch.zeros(input_ids.shape[0], 1, device=hidden.device)
-        logprobs = torch.cat([zeros, torch.cat(picked).view(shape)], dim=1)
-        entropies = torch.cat([zeros, torch.cat(entropy).view(shape)], dim=1)
+        logprobs = torch.cat([zeros, picked.view(shape)], dim=1)
+        entropies = torch.cat([zeros, entropy.view(shape)], dim=1)
         if attention_mask is None:
             return logprobs, entropies
         mask = attention_mask.to(logprobs.dtype)
