@@ -1,17 +1,21 @@
 """Async GRPO against the synchronous loop on this CPU machine, at equal resources, runs
 alternating (sync, async, sync, async, ...).
 
-Both run the ``grpo_async`` recipe (split placement, one trainer and one generator, one thread
+All run the ``grpo_async`` recipe (split placement, one trainer and one generator, one thread
 each) with the same prompts, seeds and steps; the synchronous run sets
-``algorithm.max_staleness=0``; ``--refit-mode`` picks how the async run's refits meet a running
-generation (``algorithm.refit_mode``: after_requests, the default, or in_flight). A run's
+``algorithm.max_staleness=0``; each of ``--schedules`` is an async run on that
+``algorithm.async_schedule`` (free, fixed_lag); ``--refit-mode`` picks how the async runs' refits
+meet a running generation (``algorithm.refit_mode``: after_requests, the default, or in_flight,
+which takes the free schedule only). A run's
 throughput is its samples (prompts x generations) over the seconds of its steps after the first
 (``timing/step_s``: generation, training and refit, not evaluation); its reward curve is
 ``train/reward_mean`` per step, and the held-out greedy accuracy at the start and the end. One
-JSON line per run, then the medians over rounds, their spread and the ratio.
+JSON line per run, then the medians over rounds, their spread, each schedule's speedup over
+sync per round (from the same round's runs) and, with both schedules, the share of the free
+schedule's speedup that the fixed lag keeps: (fixed / sync - 1) / (free / sync - 1).
 
     ./run.sh python bench/async_cpu.py [--rounds 2] [--steps 40] [--max-staleness 1]
-        [--refit-mode after_requests|in_flight]
+        [--refit-mode after_requests|in_flight] [--schedules free fixed_lag]
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from ceilings import emit
 
 def run(mode: str, steps: int, staleness: int, refit_mode: str, root: Path, index: int) -> dict:
     name = f"{mode}-{index}"
-    asynchronous = mode == "async"
+    asynchronous = mode != "sync"
     overrides = [
         f"algorithm.max_staleness={staleness if asynchronous else 0}",
         f"algorithm.refit_mode={refit_mode if asynchronous else 'after_requests'}",
+        f"algorithm.async_schedule={mode if asynchronous else 'free'}",
         f"algorithm.num_steps={steps}",
         f"algorithm.eval_every={steps}",
         "cluster.env_mode=shared",
@@ -65,6 +70,7 @@ def run(mode: str, steps: int, staleness: int, refit_mode: str, root: Path, inde
         "trainer_idle_s_mean": mean_of(train, "timing/trainer_idle_s"),
         "generator_idle_s_mean": mean_of(train, "timing/generator_idle_s"),
         "staleness_mean": mean_of(train, "async/staleness_mean"),
+        "refits": sum(r.get("async/refit", 0.0) for r in train),
         "in_flight_token_frac": mean_of(train, "async/in_flight_token_frac"),
         "reward_first10": statistics.mean(rewards[:10]),
         "reward_last10": statistics.mean(rewards[-10:]),
@@ -87,11 +93,24 @@ def main() -> None:
     parser.add_argument(
         "--refit-mode", choices=["after_requests", "in_flight"], default="after_requests"
     )
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=["free", "fixed_lag"],
+        help="async schedules to run against sync (default: both; free with in_flight refits)",
+    )
     args = parser.parse_args()
-    results: dict[str, list[dict]] = {"sync": [], "async": []}
+    if args.schedules is None:
+        in_flight = args.refit_mode == "in_flight"
+        args.schedules = ["free"] if in_flight else ["free", "fixed_lag"]
+    if args.refit_mode == "in_flight" and "fixed_lag" in args.schedules:
+        parser.error(
+            "--refit-mode in_flight takes --schedules free (a fixed lag refits after requests)"
+        )
+    results: dict[str, list[dict]] = {mode: [] for mode in ("sync", *args.schedules)}
     with tempfile.TemporaryDirectory(prefix="async-bench-") as tmp:
         for index in range(args.rounds):
-            for mode in ("sync", "async"):
+            for mode in results:
                 record = run(
                     mode, args.steps, args.max_staleness, args.refit_mode, Path(tmp), index
                 )
@@ -105,10 +124,19 @@ def main() -> None:
         summary[f"{mode}_reward_last10_median"] = statistics.median(
             r["reward_last10"] for r in runs
         )
-    pairs = zip(results["sync"], results["async"], strict=True)
-    ratios = [a["samples_per_s"] / s["samples_per_s"] for s, a in pairs]
-    summary["ratio_per_round"] = ratios
-    summary["ratio_median"] = statistics.median(ratios)
+    speedups: dict[str, list[float]] = {}
+    for mode in args.schedules:
+        pairs = zip(results["sync"], results[mode], strict=True)
+        speedups[mode] = [a["samples_per_s"] / s["samples_per_s"] for s, a in pairs]
+        summary[f"{mode}_ratio_per_round"] = speedups[mode]
+        summary[f"{mode}_ratio_median"] = statistics.median(speedups[mode])
+    if len(speedups) == 2:  # the share of the free schedule's speedup the fixed lag keeps
+        kept = [
+            (fixed - 1) / (free - 1) if free != 1 else float("nan")
+            for free, fixed in zip(speedups["free"], speedups["fixed_lag"], strict=True)
+        ]
+        summary["fixed_lag_kept_per_round"] = kept
+        summary["fixed_lag_kept_median"] = statistics.median(kept)
     settings = {"max_staleness": args.max_staleness, "refit_mode": args.refit_mode}
     emit({"bench": "async_cpu", "summary": True, **settings, **summary})
 

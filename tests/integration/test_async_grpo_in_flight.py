@@ -28,6 +28,7 @@ def test_an_in_flight_async_run_trains_with_fresher_tokens(tmp_path: Path) -> No
     overrides = [
         f"policy.model_path={model}",
         "algorithm.refit_mode=in_flight",
+        "algorithm.async_schedule=free",  # the recipe's fixed lag refits after requests only
         f"algorithm.num_steps={NUM_STEPS}",
         "algorithm.prompts_per_step=4",
         "algorithm.num_generations=4",

@@ -180,7 +180,12 @@ def _run(
         if slow == "generator":
             generator.generate_timed = _slowed(generator.generate_timed, 0.4)
         collect = runtime.collect
-        runtime.collect = lambda p: generations.append(collect(p)) or generations[-1]  # type: ignore[method-assign]
+
+        def recorded(pending: Any) -> list[Any]:
+            generations.append(collect(pending))
+            return generations[-1]
+
+        runtime.collect = recorded  # type: ignore[method-assign]
         pipeline = RolloutPipeline(runtime, config, source, resumed)
         records = [pipeline.step(step) for step in steps]
     return records, generations
@@ -247,6 +252,22 @@ def test_a_fixed_lag_pipeline_resumes_bit_for_bit(tmp_path: Path) -> None:
         resumed = RolloutPipeline(runtime, config, source, state)
         again = [resumed.step(step) for step in (3, 4, 5)]
     assert _stable(again) == _stable(records[2:])
+
+
+def test_a_fixed_lag_pipeline_without_state_counts_the_lag_from_its_weights(
+    tmp_path: Path,
+) -> None:
+    """Started at step 3 without a checkpoint's pipeline state (the weights of versions 0 and 1
+    that steps 3 and 4 are due from exist nowhere), the pipeline counts the lag from the weights
+    it holds, version 2, as a run from the start counts it from version 0."""
+    config = _config(tmp_path, "algorithm.max_staleness=1", "algorithm.async_schedule=fixed_lag")
+    source = make_prompt_source(config.data, DEFAULT_MODEL_DIR, load_reward("exact_match"), 0)
+    with _runtime(config) as runtime:
+        runtime.refit(version=2)
+        pipeline = RolloutPipeline(runtime, config, source)
+        records = [pipeline.step(step) for step in (3, 4, 5)]
+    assert [r["async/staleness"] for r in records] == [0.0, 1.0, 1.0]
+    assert [r["data/prompt_digest"] for r in records] == [_digest(source, s) for s in (3, 4, 5)]
 
 
 def test_max_staleness_needs_split_placement_and_a_correction(tmp_path: Path) -> None:

@@ -42,7 +42,9 @@ finishes the generation under way (and, fixed lag, every batch due from weights 
 checkpoint's), then saves those batches' rollouts (token ids, logprobs, versions), rewards and
 scorer metrics, the next step to submit and the staleness histogram. A resumed pipeline trains
 them as the uninterrupted one would and generates the rest from the checkpoint's weights: no
-prompt is skipped or trained twice, and a fixed-lag run resumes bit for bit.
+prompt is skipped or trained twice, and a fixed-lag run resumes bit for bit. A pipeline started
+at a later step without that state (a checkpoint of a synchronous run) counts the lag from the
+weights it starts with, as a run from the start counts it from version 0.
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ class RolloutPipeline:
         self.fixed_lag = config.algorithm.async_schedule == "fixed_lag"
         self.version = -1
         """Version of the generators' weights (-1 until the first step)."""
+        self.first_version = 0
+        """The weights the pipeline started from: the lag counts from them (0 for a run from
+        the start; a checkpoint's step for a resume from a checkpoint without this state)."""
         self.next_step = 0
         self.running: _Generation | None = None
         self.done: dict[int, tuple[_Generation, Groups]] = {}
@@ -115,6 +120,7 @@ class RolloutPipeline:
         """Train step ``step`` on its rollouts; refit if the schedule needs it; its metrics."""
         if self.version < 0:
             self.version, self.next_step, self.trained = step - 1, step, step - 1
+            self.first_version = step - 1
         start = time.perf_counter()
         self._waited = 0.0
         self._submit_if_allowed()
@@ -170,6 +176,7 @@ class RolloutPipeline:
             "pipeline": {
                 "next_step": self.next_step,
                 "version": self.version,
+                "first_version": self.first_version,
                 "histogram": self.histogram,
                 "batches": batches,
             }
@@ -178,6 +185,7 @@ class RolloutPipeline:
     def _restore(self, start: int, state: dict[str, Any]) -> None:
         """Go on from a checkpoint of step ``start``: the generators hold its weights."""
         self.version, self.trained, self.next_step = start, start, int(state["next_step"])
+        self.first_version = int(state["first_version"])
         self.histogram = [int(n) for n in state["histogram"]][: self.max_staleness + 1]
         self.histogram += [0] * (self.max_staleness + 1 - len(self.histogram))
         prompts = self.config.algorithm.prompts_per_step
@@ -208,7 +216,7 @@ class RolloutPipeline:
 
     def _required(self, step: int) -> int:
         """The oldest version step ``step``'s rollouts may come from (fixed lag: the one)."""
-        return max(0, step - 1 - self.max_staleness)
+        return max(self.first_version, step - 1 - self.max_staleness)
 
     def _allowed(self, step: int) -> bool:
         """Whether rollouts for ``step`` may come from the generators' current weights."""
