@@ -48,6 +48,9 @@ def test_a_grpo_run_in_process_starts_no_ray_and_refits_every_step(tmp_path: Pat
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"code": 0, "ray_imported": False}
+    # the terminal shows the run's own lines; the libraries' go to the run's log
+    assert "workers: in this process" in out.stderr and "step    1  loss" in out.stderr
+    assert "Loading weights" not in out.stderr + out.stdout
     run = tmp_path / "inproc"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "train/loss" in row]
@@ -59,13 +62,6 @@ def test_a_grpo_run_in_process_starts_no_ray_and_refits_every_step(tmp_path: Pat
     assert any("eval/accuracy" in row for row in rows)
     assert (run / "hf" / "model.safetensors").is_file()
     assert (run / "checkpoints" / "latest").is_file()
-
-
-def test_in_process_with_a_bad_setting_is_an_error_without_traceback(tmp_path: Path) -> None:
-    out = _grpo(tmp_path, "generation.tensor_parallel_size=2")
-    assert out.returncode == 2
-    assert "cluster.runtime=in_process needs generation.tensor_parallel_size=1" in out.stderr
-    assert "Traceback" not in out.stderr
 
 
 def test_resume_in_process_reproduces_the_uninterrupted_run(tmp_path: Path) -> None:
