@@ -1,4 +1,4 @@
-"""The ``tandem`` command: ``tandem grpo|sft|dpo|export|envs|version``.
+"""The ``tandem`` command: ``tandem grpo|sft|dpo|rm|export|envs|version``.
 
 User errors (a bad recipe, a typo'd key, a malformed data row, a reward that raises) print one
 clear message and exit with status 2, without a traceback of tandem's; a worker that died or
@@ -96,6 +96,15 @@ def _run_dpo(args: argparse.Namespace) -> None:
     run_dpo(config, resume=args.resume)
 
 
+def _run_rm(args: argparse.Namespace) -> None:
+    from tandem.config import RmConfig, load_config
+
+    config = load_config(RmConfig, args.config, args.overrides)
+    from tandem.reward_training import run_rm
+
+    run_rm(config, resume=args.resume)
+
+
 def _run_envs(args: argparse.Namespace) -> None:
     from tandem.cluster import envs
 
@@ -127,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     dpo = sub.add_parser("dpo", help="DPO / IPO on preference pairs (prompt, chosen, rejected)")
     _add_run_arguments(dpo, "dpo_arithmetic", "DpoConfig")
     dpo.set_defaults(func=_run_dpo)
+
+    rm = sub.add_parser("rm", help="train a reward model on preference pairs (Bradley-Terry)")
+    _add_run_arguments(rm, "rm_arithmetic", "RmConfig")
+    rm.set_defaults(func=_run_rm)
 
     export = sub.add_parser(
         "export", help="write a checkpoint's policy as a Hugging Face folder (no Ray)"

@@ -140,11 +140,13 @@ def open_run(
 
 
 def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
+    from tandem.cluster.scorers import check_scorers, model_scorers
     from tandem.data.prompts import PromptSource, load_prompt_items
     from tandem.preflight import check_episode_length, check_prompt_lengths, check_run_inputs
     from tandem.rewards import RewardScorer
 
     context = check_run_inputs(config.policy, config.generation, config.data)  # before torch
+    check_scorers(config)  # a reward model, a judge, a teacher
     algo, data = config.algorithm, config.data
     config, spec, run_dir = settle_runtime(
         config,
@@ -170,8 +172,12 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
 
         source = PromptSource(train, eval_items, tokenizer, scorer, algo.seed)
         check_prompt_lengths(source.longest_prompts(), context, config.generation)
-        with open_run(config, run_dir, resume, runtime) as run, environments(config) as envs:
-            source.environments = envs
+        with (
+            open_run(config, run_dir, resume, runtime) as run,
+            environments(config) as envs,
+            model_scorers(config) as scorers,
+        ):
+            source.environments, source.scorers = envs, scorers
             pipeline = None
             if algo.max_staleness > 0:  # a resumed pipeline trains what its checkpoint holds
                 pipeline = RolloutPipeline(runtime, config, source, run.resumed)

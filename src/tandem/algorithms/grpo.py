@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from tandem.algorithms.advantages import (
     reinforce_pp_returns,
     token_advantages,
 )
+from tandem.algorithms.distillation import distill_advantages
 from tandem.algorithms.losses import KL_ESTIMATORS, ClippedPolicyLoss, PolicyLossConfig
 from tandem.algorithms.multiturn import (
     EpisodeLimits,
@@ -29,7 +31,7 @@ from tandem.algorithms.multiturn import (
     run_episodes,
 )
 from tandem.algorithms.protocols import RolloutRuntime
-from tandem.algorithms.rollouts import rollouts_to_batch, score_rollouts
+from tandem.algorithms.rollouts import Scores, rollouts_to_batch, score_rollouts
 from tandem.config.models import GrpoConfig, SamplingConfig
 from tandem.contracts import LossFn
 from tandem.data.batch import TrainBatch
@@ -122,6 +124,7 @@ def train_on_groups(
         batch.old_logprobs = runtime.policy_logprobs(batch)
     timings["timing/logprobs_s"] = time.perf_counter() - t0
     batch.advantages = _token_advantages(config, batch, advantages, rewards)
+    distill = _distill(config, batch, source, timings)
 
     t0 = time.perf_counter()
     train_metrics = _update(runtime, batch, policy_loss(config), config, step)
@@ -148,8 +151,28 @@ def train_on_groups(
         "train/clip_frac": train_metrics.get("clip_frac", 0.0),
         "train/entropy": train_metrics.get("entropy", 0.0),
         "gen/logprob_mismatch": mismatch,
+        **distill,
         "num_tokens": float(batch.attention_mask.sum()),
     }
+
+
+def _distill(
+    config: GrpoConfig, batch: TrainBatch, source: PromptSource, timings: dict[str, float]
+) -> dict[str, float]:
+    """With ``algorithm.teacher``: the teacher's per-token reverse-KL advantage added to the
+    batch's advantages (``algorithms.distillation``); its metrics."""
+    scorers = getattr(source, "scorers", None)
+    if config.algorithm.teacher is None or scorers is None:
+        return {}
+    assert batch.advantages is not None and batch.generator_logprobs is not None
+    t0 = time.perf_counter()
+    teacher = scorers.teacher_logprobs(batch)
+    timings["timing/teacher_s"] = time.perf_counter() - t0
+    extra, metrics = distill_advantages(
+        teacher, batch.generator_logprobs, batch.loss_mask, config.algorithm.distill_coef
+    )
+    batch.advantages = batch.advantages + extra
+    return metrics
 
 
 _TRAIN_METRICS = ("loss", "grad_norm", "lr", "importance_weight_mean", "updates")
@@ -274,6 +297,9 @@ def score(
     metrics (invalid and timed-out rewards, the seconds scoring took)."""
     algo = config.algorithm
     scores = score_rollouts(source.reward, prompts, rollouts, source.decode)
+    scorers = getattr(source, "scorers", None)
+    if scorers is not None or config.reward.rule_weight != 1.0:
+        scores = _add_model_scores(scorers, config, prompts, rollouts, source, scores)
     rewards = scores.rewards
     if algo.overlong_buffer > 0:
         lengths = torch.tensor([len(r.response_token_ids) for r in rollouts])
@@ -282,6 +308,27 @@ def score(
         )
         rewards = [r - float(p) for r, p in zip(rewards, penalty, strict=True)]
     return rewards, scores.metrics
+
+
+def _add_model_scores(
+    scorers: Any,
+    config: GrpoConfig,
+    prompts: list[dict[str, str]],
+    rollouts: list[Rollout],
+    source: PromptSource,
+    rule: Scores,
+) -> Scores:
+    """The rule's scores weighted by ``reward.rule_weight``, plus the reward model's and the
+    judge's (``cluster.scorers.ModelScorers.score``), each part logged."""
+    if scorers is None:  # no model: only the rule's weight
+        weight = config.reward.rule_weight
+        return Scores([weight * r for r in rule.rewards], {**rule.metrics})
+    samples = []
+    for rollout in rollouts:
+        item = prompts[rollout.prompt_index]
+        response = rollout.response_text or source.decode(rollout.response_token_ids)
+        samples.append((item["prompt"], response, item["answer"]))
+    return scorers.score(samples, rule)  # type: ignore[no-any-return]
 
 
 def _token_advantages(

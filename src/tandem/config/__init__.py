@@ -16,6 +16,7 @@ from tandem.config.models import (
     SamplingConfig,
     SftConfig,
 )
+from tandem.config.reward_model import RmConfig
 
 __all__ = [
     "AlgorithmConfig",
@@ -30,6 +31,7 @@ __all__ = [
     "OptimizerConfig",
     "PolicyConfig",
     "RefitConfig",
+    "RmConfig",
     "SamplingConfig",
     "SftConfig",
     "load_config",

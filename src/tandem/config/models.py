@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandem.assets import DEFAULT_MODEL_DIR
 from tandem.config.lora import LoraConfig, check_lora_generation
+from tandem.config.scoring import RewardConfig
 
 
 class Section(BaseModel):
@@ -292,6 +293,13 @@ class AlgorithmConfig(Section):
     """Evaluate held-out accuracy every K steps (and at the end); 0 disables."""
     seed: int = 0
     """Seed of prompt sampling, sampling and initialisation."""
+    teacher: Path | None = None
+    """On-policy distillation: a causal LM folder (sharing the policy's tokenizer) whose
+    logprobs of the student's sampled tokens give each token the advantage distill_coef *
+    (log teacher - log student), the per-token reverse KL's negative, added to the reward's
+    advantage (reward.rule_weight: 0 distils alone); None: no teacher."""
+    distill_coef: float = Field(1.0, ge=0)
+    """Weight of the per-token reverse-KL advantage of the teacher (with algorithm.teacher)."""
 
 
 class DataConfig(Section):
@@ -424,6 +432,8 @@ class GrpoConfig(Section):
 
     @model_validator(mode="after")
     def _async_needs_split(self) -> GrpoConfig:
+    reward: RewardConfig = RewardConfig()
+    """What a rollout's reward adds to the rule of data.reward: a reward model, an LLM judge."""
         algo = self.algorithm
         if algo.max_staleness == 0:
             if algo.refit_mode == "in_flight":

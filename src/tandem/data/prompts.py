@@ -38,6 +38,10 @@ class PromptSource:
         self.environments: Any = None
         """Multi-turn runs: where the environments live (an ``EnvironmentRunner``, set by the
         driver); the environments give the rewards then, not ``reward``."""
+        self.scorers: Any = None
+        """GRPO with a reward model, a judge or a teacher: their workers
+        (``cluster.scorers.ModelScorers``, set by the driver); training rewards add their
+        scores to ``reward``'s, evaluations use ``reward`` alone."""
         self._order: tuple[tuple[int, int, int], np.ndarray] | None = None
 
     @property

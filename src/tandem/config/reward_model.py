@@ -1,0 +1,59 @@
+"""The config of ``tandem rm``: Bradley-Terry training of a reward model on preference pairs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from tandem.assets import DEFAULT_MODEL_DIR
+from tandem.config.models import (
+    CheckpointConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    PreferenceDataConfig,
+    Section,
+)
+
+
+class RewardModelConfig(Section):
+    model_path: Path = DEFAULT_MODEL_DIR
+    """Hugging Face folder to start from: a causal LM (its decoder gets a fresh one-label
+    score head: AutoModelForSequenceClassification) or a reward model to train further.
+    Default: the embedded tiny model."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where it trains; auto: the first CUDA device when there is one, else the CPU."""
+    threads: int | None = Field(None, ge=1)
+    """torch's CPU threads; None: torch's default (every core). A small model on a busy machine
+    trains far faster on one: OpenMP threads that wait for a core at every barrier cost more
+    than they compute."""
+    max_length: int = Field(1024, ge=2)
+    """Tokens of prompt + response kept (the end: the score is read at the last token)."""
+    optimizer: OptimizerConfig = OptimizerConfig(lr=1e-3, warmup_steps=20)
+    """AdamW and learning-rate schedule."""
+
+
+class RmAlgorithmConfig(Section):
+    num_steps: int = Field(600, ge=1)
+    """Optimizer steps."""
+    batch_size: int = Field(64, ge=1)
+    """Preference pairs per optimizer step."""
+    eval_every: int = Field(100, ge=0)
+    """Evaluate held-out pair accuracy every K steps and at the end; 0 disables."""
+    seed: int = 0
+    """Seed of data order, of the synthetic pairs and of the score head's initialisation."""
+
+
+class RmConfig(Section):
+    """A whole reward-model run (``tandem rm``)."""
+
+    model: RewardModelConfig = RewardModelConfig()
+    algorithm: RmAlgorithmConfig = RmAlgorithmConfig()
+    data: PreferenceDataConfig = PreferenceDataConfig()
+    logging: LoggingConfig = LoggingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    output_dir: Path | None = None
+    """Also export the trained reward model (AutoModelForSequenceClassification) here."""

@@ -1,0 +1,164 @@
+"""Reward models: a Hugging Face ``AutoModelForSequenceClassification`` with one label that
+scores ``prompt + response`` at its last token, and its Bradley-Terry training.
+
+``RewardModel`` loads and scores (the reward-model worker of GRPO uses it); ``RewardModelTrainer``
+adds the optimizer, the Bradley-Terry step, checkpoints and the export (``tandem rm``). The text a
+model scores is the prompt followed by the response, tokenized without special tokens and
+right-padded; transformers' classification models read the score at the last token that is not
+padding, so an export scores the same way when loaded by a user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.algorithms.bradley_terry import bradley_terry
+from tandem.config.models import OptimizerConfig
+from tandem.files import atomic_dir
+
+STATE_FILE = "reward_model.pt"
+
+
+class RewardModel:
+    """A reward model on ``device``, in eval mode unless ``trainable``."""
+
+    def __init__(
+        self,
+        path: Path,
+        device: str | torch.device = "cpu",
+        dtype: str = "float32",
+        max_length: int = 1024,
+        trainable: bool = False,
+        seed: int = 0,
+    ):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers.utils import logging as transformers_logging
+
+        self.device = torch.device(device)
+        self.max_length = max_length
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = self.tokenizer.eos_token_id
+        self.pad_token_id = int(pad)
+        torch.manual_seed(seed)  # a fresh score head is drawn from this
+        verbosity = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()  # "score.weight newly initialized": meant
+        try:
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                str(path), num_labels=1, dtype=getattr(torch, dtype)
+            )
+        finally:
+            transformers_logging.set_verbosity(verbosity)
+        self.model.config.pad_token_id = self.pad_token_id
+        self.model.to(self.device)
+        self.model.train(trainable)
+        self.model.requires_grad_(trainable)
+
+    def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Right-padded ``input_ids`` and ``attention_mask`` of each ``prompt + response``,
+        keeping its last ``max_length`` tokens. A response that is empty (or whose tokens are all
+        the padding id) leaves at least the prompt's last token to score."""
+        rows = []
+        for prompt, response in zip(prompts, responses, strict=True):
+            ids = self.tokenizer.encode(prompt + response, add_special_tokens=False)
+            rows.append(ids[-self.max_length :] or [self.pad_token_id])
+        width = max(len(row) for row in rows)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row)
+            mask[i, : len(row)] = 1
+        return {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
+
+    def forward(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
+        """``[B]`` scores (with gradients when trainable)."""
+        logits = self.model(**self.encode(prompts, responses)).logits
+        return logits[:, 0].float()
+
+    @torch.no_grad()
+    def score(
+        self, prompts: Sequence[str], responses: Sequence[str], batch_size: int = 64
+    ) -> list[float]:
+        """Every sample's score, ``batch_size`` at a time."""
+        scores: list[float] = []
+        for start in range(0, len(prompts), batch_size):
+            end = start + batch_size
+            scores += self.forward(prompts[start:end], responses[start:end]).tolist()
+        return scores
+
+    def export_hf(self, path: Path) -> None:
+        """A folder that ``AutoModelForSequenceClassification.from_pretrained`` loads (config,
+        safetensors, tokenizer), written atomically."""
+        with atomic_dir(path) as tmp:
+            self.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+
+
+class RewardModelTrainer(RewardModel):
+    """A reward model trained with the Bradley-Terry loss on preference pairs."""
+
+    def __init__(
+        self,
+        path: Path,
+        optimizer: OptimizerConfig,
+        total_steps: int,
+        device: str | torch.device = "cpu",
+        dtype: str = "float32",
+        max_length: int = 1024,
+        seed: int = 0,
+    ):
+        from tandem.trainer.schedule import build_optimizer
+
+        super().__init__(path, device, dtype, max_length, trainable=True, seed=seed)
+        self.max_grad_norm = optimizer.max_grad_norm
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = build_optimizer(params, optimizer, total_steps)
+
+    def train_step(self, pairs: Sequence[dict[str, str]]) -> dict[str, float]:
+        """One optimizer step on ``pairs`` (``prompt``, ``chosen``, ``rejected``)."""
+        self.model.train()
+        prompts = [p["prompt"] for p in pairs]
+        responses = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
+        scores = self.forward(prompts + prompts, responses)
+        loss, metrics = bradley_terry(scores[: len(pairs)], scores[len(pairs) :])
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.max_grad_norm or float("inf")
+        )
+        self.optimizer.step()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return {**metrics, "grad_norm": float(norm), "lr": float(lr)}
+
+    @torch.no_grad()
+    def evaluate(self, pairs: Sequence[dict[str, str]], batch_size: int = 256) -> dict[str, float]:
+        """Bradley-Terry loss and pair accuracy (chosen scored above rejected) of ``pairs``."""
+        self.model.eval()
+        prompts = [p["prompt"] for p in pairs]
+        chosen = torch.tensor(self.score(prompts, [p["chosen"] for p in pairs], batch_size))
+        rejected = torch.tensor(self.score(prompts, [p["rejected"] for p in pairs], batch_size))
+        return bradley_terry(chosen, rejected)[1]
+
+    def save_checkpoint(self, path: str) -> None:
+        """Model, optimizer, schedule and RNG state in one file under ``path``."""
+        state: dict[str, Any] = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save(state, Path(path) / STATE_FILE)
+
+    def load_checkpoint(self, path: str) -> None:
+        state = torch.load(Path(path) / STATE_FILE, map_location=self.device, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"].cpu())
