@@ -4,8 +4,9 @@ Everything else a run's processes print (warnings of vLLM, torch, Triton and tra
 their C++ libraries' notes, what Ray forwards from the actors) goes to the run's log file,
 ``logs/console.log``, unless ``logging.verbose``. ``quiet_console`` does it at the level of the
 file descriptors, so output from C/C++ code is caught too: for the duration of the run, fd 1 and
-fd 2 point at the log file, and tandem's own lines (the step lines, progress, its warnings)
-go to ``terminal()``, a copy of the terminal's stderr taken before.
+fd 2 point at the log file (and so do ``sys.stdout`` and ``sys.stderr``, whatever they were),
+and tandem's own lines (the step lines, progress, its warnings) go to ``terminal()``, a copy of
+the terminal's stderr taken before.
 """
 
 from __future__ import annotations
@@ -46,14 +47,16 @@ def quiet_console(log_file: Path, verbose: bool = False) -> Iterator[TextIO]:
     tandem_logger = logging.getLogger("tandem")
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
+    python_streams = sys.stdout, sys.stderr
+    sys.stdout = sys.stderr = log
     _terminal = stream
     tandem_logger.addHandler(handler)
     try:
         yield stream
     finally:
         tandem_logger.removeHandler(handler)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        log.flush()
+        sys.stdout, sys.stderr = python_streams
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
         for fd in saved:
