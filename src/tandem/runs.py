@@ -5,6 +5,7 @@ checkpoint's policy."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -13,10 +14,15 @@ from typing import Any
 
 from tandem.config import DpoConfig, GrpoConfig, SftConfig
 from tandem.config.models import CheckpointConfig, LoggingConfig
-from tandem.files import atomic_dir
+from tandem.files import atomic_dir, sibling
 from tandem.logging.metrics import read_metrics
 
 COMPLETE_MARKER = "COMPLETE"
+MANIFEST = "manifest.json"
+"""Each checkpoint's files and their sizes, written last before ``COMPLETE``: a file truncated
+or lost afterwards (a copy, a full disk, a hand) shows as damage before anything loads it."""
+
+_log = logging.getLogger(__name__)
 
 
 def make_run_dir(logging: LoggingConfig, kind: str, resume: bool) -> Path:
@@ -27,7 +33,7 @@ def make_run_dir(logging: LoggingConfig, kind: str, resume: bool) -> Path:
             (
                 p
                 for p in logging.run_dir.glob(f"{kind}-*")
-                if (p / "checkpoints" / "latest").exists()
+                if Checkpoints(p, CheckpointConfig()).complete()
             ),
             key=lambda p: p.stat().st_mtime,
         )
@@ -55,6 +61,9 @@ class Checkpoints:
         with atomic_dir(final, hidden=True) as tmp:  # hidden: _prune's step_* never sees it
             runtime.save_checkpoint(str((tmp / "trainer").resolve()))
             (tmp / "driver_state.json").write_text(json.dumps({"step": step, **state}))
+            files = (p for p in tmp.rglob("*") if p.is_file())
+            sizes = {str(p.relative_to(tmp)): p.stat().st_size for p in files}
+            (tmp / MANIFEST).write_text(json.dumps(sizes))
             (tmp / COMPLETE_MARKER).touch()
         pointer = self.root / "latest.tmp"
         pointer.write_text(final.name)
@@ -62,37 +71,97 @@ class Checkpoints:
         self._prune()
         return final
 
+    def complete(self) -> list[Path]:
+        """The complete checkpoints (``COMPLETE`` written), newest first. The ``latest``
+        pointer is not needed: a save that died between its rename and the pointer's left a
+        complete checkpoint newer than the pointer says."""
+        found = [p for p in self.root.glob("step_*") if (p / COMPLETE_MARKER).is_file()]
+        return sorted(found, key=_step_number, reverse=True)
+
     def latest(self) -> Path | None:
-        pointer = self.root / "latest"
-        if not pointer.exists():
-            return None
-        path = self.root / pointer.read_text().strip()
-        return path if (path / COMPLETE_MARKER).exists() else None
+        """The newest complete checkpoint whose files are whole (``damage``)."""
+        return next((p for p in self.complete() if damage(p) is None), None)
 
     def load(self, runtime: Any) -> dict[str, Any]:
-        path = self.latest()
-        if path is None:
-            raise ValueError(f"--resume: no complete checkpoint under {self.root}")
-        runtime.load_checkpoint(str((path / "trainer").resolve()))
-        return dict(json.loads((path / "driver_state.json").read_text()))
+        """Loads the newest checkpoint that is whole and loads; one that is damaged is skipped,
+        saying so, for the one before it. None usable: a ValueError naming each and why."""
+        problems = []
+        for path in self.complete():
+            problem = damage(path)
+            if problem is None:
+                try:
+                    runtime.load_checkpoint(str((path / "trainer").resolve()))
+                except Exception as err:  # a damaged shard that kept its size
+                    from tandem.cluster.groups import WorkerError
+
+                    if isinstance(err, WorkerError):
+                        raise
+                    problem = f"loading it failed: {type(err).__name__}: {err}"
+            if problem is None:
+                if problems:
+                    _log.warning(f"--resume: continuing from {path}")
+                return dict(json.loads((path / "driver_state.json").read_text()))
+            _log.warning(f"--resume: checkpoint {path} is damaged ({problem}); skipping it")
+            problems.append(f"{path.name}: {problem}")
+        raise ValueError(
+            f"--resume: no usable checkpoint under {self.root}"
+            + (f" ({'; '.join(problems)})" if problems else "")
+        )
 
     def _prune(self) -> None:
-        done = sorted(
-            (p for p in self.root.glob("step_*") if (p / COMPLETE_MARKER).exists()),
-            key=lambda p: int(p.name.split("_")[1]),
-        )
-        for old in done[: -self.config.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        """Drops all but the newest ``keep`` complete checkpoints; each is renamed to a hidden
+        name first, so a prune cut off half-way never leaves a ``step_N`` with files missing."""
+        for old in self.complete()[self.config.keep :]:
+            doomed = sibling(old, ".del", hidden=True)
+            shutil.rmtree(doomed, ignore_errors=True)
+            os.replace(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _step_number(path: Path) -> int:
+    suffix = path.name.removeprefix("step_")
+    return int(suffix) if suffix.isdigit() else -1
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with the complete checkpoint ``path``, or None: its driver state parses,
+    and every file of its manifest is there at the size it was written (older checkpoints have
+    no manifest; their trainer state file must exist)."""
+    try:
+        state = json.loads((path / "driver_state.json").read_text())
+    except (OSError, ValueError) as err:
+        return f"driver_state.json: {err}"
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        return "driver_state.json holds no step"
+    manifest = path / MANIFEST
+    try:
+        sizes = json.loads(manifest.read_text()) if manifest.exists() else {}
+    except (OSError, ValueError) as err:
+        return f"{MANIFEST}: {err}"
+    if not sizes and not (path / "trainer" / "trainer_state.json").is_file():
+        return "trainer/trainer_state.json is missing"
+    for name, size in sizes.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, {size} were written"
+    return None
 
 
 def check_run_dir(config: GrpoConfig | SftConfig | DpoConfig, kind: str, resume: bool) -> None:
     """Checked before anything starts: ``--resume`` finds a complete checkpoint to continue; a
     fresh run named by ``logging.name`` does not write into a folder that holds another run
     (its steps would follow the old ones in ``metrics.jsonl``, beside the old checkpoints)."""
+    check_output_paths(config)
     run_dir = make_run_dir(config.logging, kind, resume)
     if resume:
-        if Checkpoints(run_dir, config.checkpoint).latest() is None:
-            raise ValueError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
+        check_resumed_config(config, run_dir)
+        checkpoints = Checkpoints(run_dir, config.checkpoint)
+        if checkpoints.latest() is None:
+            damaged = [f"{p.name}: {damage(p)}" for p in checkpoints.complete()]
+            detail = f" ({'; '.join(damaged)})" if damaged else ""
+            raise ValueError(f"--resume: no usable checkpoint under {checkpoints.root}{detail}")
         return
     earlier = [name for name in ("metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
     if earlier:
@@ -102,10 +171,110 @@ def check_run_dir(config: GrpoConfig | SftConfig | DpoConfig, kind: str, resume:
         )
 
 
+def check_output_paths(config: GrpoConfig | SftConfig | DpoConfig) -> None:
+    """The folders the run writes are folders, and not the model it trains."""
+    if config.logging.run_dir.exists() and not config.logging.run_dir.is_dir():
+        raise ValueError(f"logging.run_dir={config.logging.run_dir} is a file, not a folder")
+    output_dir = getattr(config, "output_dir", None)
+    if output_dir is None:
+        return
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"output_dir={output_dir} is a file, not a folder")
+    if output_dir.resolve() == config.policy.model_path.resolve():
+        raise ValueError(
+            f"output_dir={output_dir} is policy.model_path: the export would replace the model "
+            "being trained; give another folder"
+        )
+
+
+RESUMABLE = (
+    "algorithm.num_steps",
+    "algorithm.eval_every",
+    "data.num_eval_prompts",
+    "data.num_eval_pairs",
+    "data.num_reward_workers",
+    "data.reward_timeout_s",
+    "data.invalid_reward",
+    "logging.",
+    "checkpoint.",
+    "cluster.",
+    "generation.backend",
+    "generation.tensor_parallel_size",
+    "generation.kv_cache_bytes",
+    "generation.gpu_memory_utilization",
+    "generation.sleep_level",
+    "generation.enforce_eager",
+    "refit.timeout_s",
+    "refit.bucket_bytes",
+    "refit.logprob_mismatch_alarm",
+    "environment.step_timeout_s",
+    "output_dir",
+)
+"""Keys (a trailing dot: every key of a section) that ``--resume`` accepts with a value other
+than the saved one: how long, how often, where and on what the run goes on, not what it
+trains. docs/errors.md lists them."""
+
+
+def check_resumed_config(config: GrpoConfig | SftConfig | DpoConfig, run_dir: Path) -> None:
+    """A resumed run trains what its checkpoint was trained with: each key of the run's saved
+    ``config.json`` outside ``RESUMABLE`` has its saved value (keys on one side only, from
+    another version of tandem, are not compared)."""
+    saved_file = run_dir / "config.json"
+    if not saved_file.is_file():
+        return
+    try:
+        saved = _flatten(json.loads(saved_file.read_text()))
+    except ValueError as err:
+        raise ValueError(f"--resume: {saved_file} is not valid JSON ({err})") from None
+    new = _flatten(config.model_dump(mode="json"))
+    changed = [
+        f"  {key}: {saved[key]} -> {new[key]}"
+        for key in sorted(saved.keys() & new.keys())
+        if not key.startswith(RESUMABLE) and not _same(key, saved[key], new[key])
+    ]
+    if changed:
+        raise ValueError(
+            f"--resume: {len(changed)} key(s) differ from the run's saved config "
+            f"({saved_file}); a resumed run keeps them (start a new run, or set them back):\n"
+            + "\n".join(changed)
+        )
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict) or not data:
+        return {prefix.removesuffix("."): data}
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        flat.update(_flatten(value, f"{prefix}{key}."))
+    return flat
+
+
+def _same(key: str, old: Any, new: Any) -> bool:
+    """Equal values; a path given relative once and absolute once is the same path."""
+    if old == new:
+        return True
+    path_keys = ("policy.model_path", "data.train_path", "data.eval_path")
+    if key.endswith(path_keys) and isinstance(old, str) and isinstance(new, str):
+        return Path(old).resolve() == Path(new).resolve()
+    return False
+
+
 def truncate_metrics(run_dir: Path, after_step: int) -> None:
     """On resume, drop metrics logged after the checkpoint (they will be recomputed)."""
     records = [r for r in read_metrics(run_dir) if r["step"] <= after_step]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def check_export_target(out_dir: Path) -> None:
+    """``out_dir`` is replaced whole: only an empty folder or an earlier export may be there."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir} is a file; give a folder to export to")
+    exported = any((out_dir / name).is_file() for name in ("config.json", "adapter_config.json"))
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not exported:
+        raise ValueError(
+            f"{out_dir} holds files and is not a Hugging Face model folder: the export replaces "
+            "its folder whole; give an empty or new folder"
+        )
 
 
 def export_checkpoint(checkpoint: Path, out_dir: Path, merge: bool = False) -> Path:
@@ -115,6 +284,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, merge: bool = False) -> P
     A LoRA run's policy is a peft adapter folder, or with ``merge`` a model folder of the
     weights with the adapters merged in (transformers and vLLM load it as any model)."""
     from tandem.config.models import PolicyConfig
+
+    check_export_target(out_dir)
     from tandem.trainer.policy_trainer import PolicyTrainer
 
     step_dir = checkpoint

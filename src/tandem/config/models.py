@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tandem.assets import DEFAULT_MODEL_DIR
 from tandem.config.lora import LoraConfig, check_lora_generation
@@ -344,7 +344,7 @@ class LoggingConfig(Section):
     name: str | None = None
     """Run name (folder under run_dir); None uses the recipe name and a timestamp. A fresh run
     refuses a folder that holds an earlier run's metrics or checkpoints (``--resume`` continues
-    it)."""
+    it). One folder name: no path separator, not '.' or '..', not empty."""
     tensorboard: bool = True
     """Write TensorBoard events."""
     wandb_project: str | None = None
@@ -357,6 +357,20 @@ class LoggingConfig(Section):
     """Print what the run's processes and libraries print (vLLM, torch, Ray actors) on the
     terminal too; by default it goes to the run's logs/console.log and the terminal shows
     tandem's own lines."""
+
+    @field_validator("name")
+    @classmethod
+    def _one_folder_name(cls, name: str | None) -> str | None:
+        """The run writes under ``run_dir / name``: a name that is a path (``../x``, ``/x``,
+        ``a/b``) would put it somewhere else."""
+        if name is not None and (
+            name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name
+        ):
+            raise ValueError(
+                f"logging.name={name!r} must be one folder name (no '/', not '.', '..' or "
+                "empty); to write runs elsewhere set logging.run_dir"
+            )
+        return name
 
 
 class CheckpointConfig(Section):
