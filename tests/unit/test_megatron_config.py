@@ -1,0 +1,73 @@
+"""Megatron-core settings from Hugging Face configs (no megatron-core needed)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+
+from tandem.assets import DEFAULT_MODEL_DIR
+from tandem.assets.real_shapes import real_config
+from tandem.trainer.megatron_config import (
+    gpt_model_kwargs,
+    rope,
+    transformer_config_kwargs,
+    unsupported,
+)
+from tandem.trainer.megatron_weights import DecoderShape
+
+
+def test_qwen25_1p5b_shape() -> None:
+    hf = real_config("1.5b")
+    kwargs = transformer_config_kwargs(hf, tensor_parallel=2, pipeline_parallel=4, bf16=True)
+    assert unsupported(hf) == []
+    expected = dict(
+        num_layers=28,
+        hidden_size=1536,
+        ffn_hidden_size=8960,
+        num_attention_heads=12,
+        num_query_groups=2,
+        kv_channels=128,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=4,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+    )
+    assert {k: kwargs[k] for k in expected} == expected
+    assert kwargs["activation_func"] is F.silu
+    shape = DecoderShape.from_hf(hf, tensor_parallel=2, divisible_by=128)
+    model = gpt_model_kwargs(hf, shape)
+    assert model["vocab_size"] == 152_064  # 151,936 = 593.5 * 256: up to 594 * 256
+    assert model["rotary_base"] == 1_000_000.0
+    assert model["share_embeddings_and_output_weights"] is True
+
+
+def test_embedded_model_from_its_json() -> None:
+    hf = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    kwargs = transformer_config_kwargs(hf, recompute=True)
+    assert (kwargs["kv_channels"], kwargs["num_query_groups"], kwargs["params_dtype"]) == (
+        32,
+        2,
+        torch.float32,
+    )
+    assert kwargs["recompute_granularity"] == "full"
+    shape = DecoderShape.from_hf(hf, tensor_parallel=2, divisible_by=64)
+    assert gpt_model_kwargs(hf, shape)["vocab_size"] == 384  # 257 up to a multiple of 128
+    assert rope(hf) == (10000.0, "default")
+
+
+def test_llama_without_biases_and_what_is_refused() -> None:
+    llama = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4)
+    assert unsupported(llama) == []
+    assert transformer_config_kwargs(llama)["add_qkv_bias"] is False
+    scaled = LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0}, mlp_bias=True)
+    problems = unsupported(scaled)
+    assert any("llama3" in p for p in problems) and "mlp_bias" in problems
+    assert "gemma" in unsupported({"model_type": "gemma"})[0]
