@@ -7,7 +7,12 @@ dense reward (``e2e_rewards:digit_fraction``); one JSON line per step gives the 
 rest, its peak during refit) and the generator/trainer logprob mismatch, and one line per shape
 the medians of the steps after the first, beside the pinned-copy ceilings of the same run.
 Models are random Qwen2s of the 0.5B / 1.5B shapes with the embedded tokenizer (vocabulary 257,
-so the LM head is small), fp32 master weights.
+so the LM head is small), fp32 master weights; ``--real-vocab`` takes the real Qwen2.5 shapes
+(0.5B / 1.5B / 3B / 7B) with the 151,936-token vocabulary instead (``tandem.assets.real_shapes``),
+``--mean-length`` spreads their response lengths (EOS after about that many tokens on average,
+up to ``--max-tokens``). Those lines add the train phase's MFU (against the bf16 matmul rate
+measured in the same run) and generated tokens/s against the decode roofline (formulas in
+``real_scale_figures``).
 
 With ``--trl`` it runs tandem and TRL's ``GRPOTrainer`` (``trl_peer.py``, transformers
 generation on both sides) on the same work, alternately, ``--rounds`` times each, and prints the
@@ -35,8 +40,10 @@ from typing import Any
 
 import torch
 from ceilings import emit, measure_ceilings
+from real_scale_figures import scale_figures
 
 from tandem.assets import QWEN2_SHAPES, write_random_qwen2
+from tandem.assets.real_shapes import QWEN25_SHAPES, real_shape_dir, write_real_shape
 
 PER_STEP = (
     "timing/step_s",
@@ -53,6 +60,8 @@ PER_STEP = (
     "memory/trainer_peak_refit_bytes",
     "gen/logprob_mismatch",
     "train/reward_mean",
+    "train/response_len_mean",
+    "throughput/tokens_per_s",
 )
 
 
@@ -69,6 +78,12 @@ def run_tandem(path: Path, args: argparse.Namespace, run_dir: Path) -> list[dict
         f"policy.model_path={path}",
         f"policy.mixed_precision={str(args.mixed_precision).lower()}",
         f"policy.micro_batch_size={args.micro_batch_size}",
+        f"policy.activation_checkpointing={str(args.activation_checkpointing).lower()}",
+        *(
+            [f"policy.max_tokens_per_micro_batch={args.max_tokens_per_micro_batch}"]
+            if args.max_tokens_per_micro_batch
+            else []
+        ),
         "policy.optimizer.lr=1e-5",
         f"algorithm.num_steps={args.steps}",
         f"algorithm.prompts_per_step={args.prompts}",
@@ -113,11 +128,15 @@ def run_trl(path: Path, args: argparse.Namespace, root: Path, label: str) -> flo
         f"--max-tokens={args.max_tokens}",
         "--lr=1e-5",
         f"--label={label}",
+        f"--micro-batch={args.trl_micro_batch}",
         *(["--bf16"] if args.mixed_precision else []),
+        *([] if args.activation_checkpointing else ["--no-gradient-checkpointing"]),
     ]
     out = subprocess.run(command, capture_output=True, text=True, check=False)
     steps = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"figure"')]
     if out.returncode != 0 or not steps:
+        memory = "out of memory" if "OutOfMemoryError" in out.stderr else "failed"
+        emit({"figure": "trl_failed", "label": label, "why": memory, "rc": out.returncode})
         raise RuntimeError(f"TRL run failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return median_step([r["value"] for r in steps])
 
@@ -160,8 +179,16 @@ def emit_breakdown(
 ) -> None:
     """One line for each step after the first, then their medians, the worst mismatch and the
     pinned-copy ceilings of this run."""
-    setup = {"mixed_precision": args.mixed_precision, "kl_coef": args.kl_coef, **extra}
-    steps = [r for r in records if r["step"] >= 1]
+    setup = {
+        "mixed_precision": args.mixed_precision,
+        "kl_coef": args.kl_coef,
+        "real_vocab": args.real_vocab,
+        "max_tokens": args.max_tokens,
+        "mean_length": args.mean_length,
+        **extra,
+    }
+    steps = [r for r in records if r["step"] >= 1] or records
+    scale = args.real_vocab and args.ceilings
     for record in steps:
         emit(
             {
@@ -170,17 +197,20 @@ def emit_breakdown(
                 **setup,
                 "step": record["step"],
                 **{k: record.get(k) for k in PER_STEP},
+                **(scale_figures(args.paths[shape], record, args) if scale else {}),
             }
         )
     later = steps[1:] or steps
+    medians = {k: statistics.median(r.get(k) or 0.0 for r in later) for k in PER_STEP}
     emit(
         {
             "figure": "e2e_gpu_median",
             "shape": shape,
             **setup,
             "steps": len(later),
-            **{k: statistics.median(r.get(k, 0.0) for r in later) for k in PER_STEP},
+            **medians,
             "mismatch_max": max(r["gen/logprob_mismatch"] for r in steps),
+            **(scale_figures(args.paths[shape], medians, args) if scale else {}),
             **args.ceilings,
         }
     )
@@ -188,15 +218,27 @@ def emit_breakdown(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b"], choices=QWEN2_SHAPES)
+    parser.add_argument(
+        "--shapes", nargs="+", default=["0.5b", "1.5b"], choices=sorted(QWEN25_SHAPES)
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=32)
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=None)
+    parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--mixed-precision", action="store_true")
     parser.add_argument("--kl-coef", type=float, default=0.0)
+    parser.add_argument(
+        "--real-vocab", action="store_true", help="real Qwen2.5 shapes, vocabulary 151,936"
+    )
+    parser.add_argument(
+        "--mean-length", type=float, default=None, help="spread response lengths (real vocab)"
+    )
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers (CPU dry runs)")
     parser.add_argument("--trl", action="store_true", help="side by side with TRL")
+    parser.add_argument("--trl-micro-batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
         "--set",
@@ -207,18 +249,30 @@ def main() -> None:
         help="more tandem overrides, e.g. policy.share_prompts=false for an A/B",
     )
     args = parser.parse_args()
+    cuda = torch.cuda.is_available()
     root = Path(tempfile.gettempdir()) / "tandem-e2e"
-    paths = {
-        shape: write_random_qwen2(root / f"qwen2-{shape}", QWEN2_SHAPES[shape], device="cuda")
-        for shape in args.shapes
-    }
-    args.ceilings = {k: round(v, 2) for k, v in measure_ceilings().items()}
-    torch.cuda.empty_cache()
-    for shape, path in paths.items():
+    args.paths = {shape: model_dir(shape, args, root, cuda) for shape in args.shapes}
+    args.ceilings = {k: round(v, 2) for k, v in measure_ceilings().items()} if cuda else {}
+    if cuda:
+        torch.cuda.empty_cache()
+    for shape, path in args.paths.items():
         if args.trl:
             side_by_side(shape, path, args, root)
         else:
             emit_breakdown(shape, run_tandem(path, args, root / "runs"), args)
+
+
+def model_dir(shape: str, args: argparse.Namespace, root: Path, cuda: bool) -> Path:
+    """The random model of ``shape`` (written once per setting under ``root``)."""
+    device = "cuda" if cuda else "cpu"
+    if args.real_vocab:
+        name = real_shape_dir(shape, args.mean_length, args.layers)
+        return write_real_shape(root / name, shape, args.mean_length, args.layers, device=device)
+    if shape not in QWEN2_SHAPES:
+        raise SystemExit(
+            f"--shapes {shape} needs --real-vocab (the embedded vocabulary has 0.5b, 1.5b)"
+        )
+    return write_random_qwen2(root / f"qwen2-{shape}", QWEN2_SHAPES[shape], device=device)
 
 
 if __name__ == "__main__":

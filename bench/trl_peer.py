@@ -47,6 +47,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--bf16", action="store_true", help="mixed precision (GPU)")
+    parser.add_argument(
+        "--micro-batch", type=int, default=0, help="completions per forward (0: all of a step)"
+    )
+    parser.add_argument(
+        "--no-gradient-checkpointing", action="store_true", help="(TRL's default: on)"
+    )
     parser.add_argument("--label", default="trl")
     args = parser.parse_args()
 
@@ -57,10 +63,15 @@ def main() -> None:
 
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line]
     completions = args.prompts_per_step * args.generations
+    micro = args.micro_batch or completions
+    if completions % micro:
+        raise SystemExit(f"--micro-batch {micro} must divide the {completions} completions")
     config = GRPOConfig(
         output_dir=str(Path(args.prompts).parent / f"trl-{args.label}"),
-        per_device_train_batch_size=completions,
-        gradient_accumulation_steps=1,
+        # one generation of every completion of a step, then micro-batches of them
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=completions // micro,
+        gradient_checkpointing=not args.no_gradient_checkpointing,
         num_generations=args.generations,
         max_completion_length=args.max_tokens,
         learning_rate=args.lr,
