@@ -2,14 +2,16 @@
 
 User errors (a bad recipe, a typo'd key, a malformed data row, a reward that raises) print one
 clear message and exit with status 2, without a traceback of tandem's; a worker that died or
-failed (``WorkerError``) prints one message naming it and exits with status 1; anything else is a
-bug and keeps its traceback.
+failed (``WorkerError``), or a disk that filled or became read-only, prints one message naming
+it and exits with status 1; Ctrl-C exits with 130, SIGTERM with 143 (``tandem.interrupts``);
+anything else is a bug and keeps its traceback. docs/errors.md has the whole rule.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import errno
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -18,8 +20,30 @@ from typing import Any, NoReturn
 
 import tandem
 from tandem.imports import pause_gc, resume_gc
+from tandem.interrupts import exit_status, signals_as_interrupts
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+"""An ``OSError`` with one of these (a full disk, a quota, a read-only or forbidden folder) is
+a fault of the machine, not a bug: one message naming the file, exit status 1."""
+
+
+class _IntermixedParser(argparse.ArgumentParser):
+    """A subcommand's parser that takes flags and ``key=value`` overrides in any order
+    (``tandem grpo a.b=1 --resume c.d=2``), as ``parse_intermixed_args`` does."""
+
+    _intermixing = False
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if self._intermixing:  # parse_known_intermixed_args calls this for its two passes
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
 
 
 class _HelpConfig(argparse.Action):
@@ -123,7 +147,9 @@ def _run_envs(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="tandem: RL post-training for LLMs")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_IntermixedParser
+    )
 
     grpo = sub.add_parser("grpo", help="run GRPO (default: the embedded tiny model and task)")
     _add_run_arguments(grpo, "grpo_arithmetic", "GrpoConfig")
@@ -177,16 +203,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     pause_gc()  # a run's start: imports, Ray, the actors (``imports.without_gc``)
     ray_was_up = _ray_is_up()
     try:
-        func(args)
+        with signals_as_interrupts():
+            func(args)
     except WorkerError as err:
         print(f"tandem {args.command}: error: {err}", file=sys.stderr)
         return 1
     except USER_ERRORS as err:
         print(f"tandem {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"tandem {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except OSError as err:
+        if err.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        where = f": {err.filename}" if err.filename else ""
+        print(f"tandem {args.command}: error: {err.strerror}{where}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as interrupt:
+        status, word = exit_status(interrupt)
+        print(f"tandem {args.command}: {word}", file=sys.stderr)
+        return status
     finally:
         resume_gc()  # run_loop resumes it for a run; here for every other way out
         if not ray_was_up and _ray_is_up():  # the Ray this command started, stopped now

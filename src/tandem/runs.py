@@ -85,7 +85,7 @@ class Checkpoints:
     def load(self, runtime: Any) -> dict[str, Any]:
         """Loads the newest checkpoint that is whole and loads; one that is damaged is skipped,
         saying so, for the one before it. None usable: a ValueError naming each and why."""
-        problems = []
+        problems: list[str] = []
         for path in self.complete():
             problem = damage(path)
             if problem is None:
@@ -160,8 +160,11 @@ def check_run_dir(config: GrpoConfig | SftConfig | DpoConfig, kind: str, resume:
         checkpoints = Checkpoints(run_dir, config.checkpoint)
         if checkpoints.latest() is None:
             damaged = [f"{p.name}: {damage(p)}" for p in checkpoints.complete()]
-            detail = f" ({'; '.join(damaged)})" if damaged else ""
-            raise ValueError(f"--resume: no usable checkpoint under {checkpoints.root}{detail}")
+            if not damaged:
+                raise ValueError(f"--resume: no complete checkpoint under {checkpoints.root}")
+            raise ValueError(
+                f"--resume: no usable checkpoint under {checkpoints.root} ({'; '.join(damaged)})"
+            )
         return
     earlier = [name for name in ("metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
     if earlier:

@@ -121,7 +121,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if item.endswith((".yaml", ".yml")) or (RECIPES_DIR / f"{item}.yaml").is_file():
                 hint = f" (a recipe is given as --config {item})"
             raise ConfigError(f"override {item!r} must look like section.key=value{hint}")
-        value = yaml.safe_load(raw) if raw else ""
+        value = _override_value(raw)
         node = data
         parts = key.split(".")
         for part in parts[:-1]:
@@ -131,6 +131,21 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = child
         node[parts[-1]] = value
     return data
+
+
+def _override_value(raw: str) -> Any:
+    """An override's value as a YAML scalar or flow collection (``3e-6``, ``true``, ``[a, b]``,
+    ``{k: 1}``). Text that YAML would read otherwise (``Q: {question}`` as a mapping, an
+    unclosed bracket) is kept as the string it is."""
+    if not raw:
+        return ""
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, dict | list) and not raw.lstrip().startswith(("{", "[")):
+        return raw
+    return value
 
 
 def load_config(

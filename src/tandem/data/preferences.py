@@ -12,6 +12,7 @@ from typing import Any
 from tandem.config.models import PreferenceDataConfig
 from tandem.data.batch import TrainBatch, right_padded
 from tandem.data.prompts import check_jsonl
+from tandem.data.reading import read_rows
 
 Pair = dict[str, str]
 """``{"prompt": ..., "chosen": ..., "rejected": ...}``."""
@@ -48,10 +49,7 @@ def load_preference_file(path: Path, config: PreferenceDataConfig) -> list[Pair]
     if path.suffix == ".jsonl":
         hint = "set data.prompt_key / chosen_key / rejected_key to the file's column names"
         check_jsonl(path, keys, hint, strings=True)
-    import datasets
-
-    kind = "parquet" if path.suffix == ".parquet" else "json"
-    rows = datasets.load_dataset(kind, data_files=str(path), split="train")
+    rows = read_rows(path)
     pairs = []
     for index, row in enumerate(rows):
         values = [row.get(key) for key in keys]

@@ -15,6 +15,7 @@ import numpy as np
 
 from tandem.config.models import DataConfig, EnvironmentConfig
 from tandem.contracts import RewardFn
+from tandem.data.reading import read_rows, text_lines
 
 
 class PromptSource:
@@ -159,12 +160,8 @@ def load_prompt_file(path: Path, config: DataConfig) -> list[dict[str, str]]:
         raise ValueError(f"data file {path} is empty")
     if path.suffix == ".jsonl":
         check_jsonl(path, (config.prompt_key, config.answer_key))
-    import datasets
-
-    kind = "parquet" if path.suffix == ".parquet" else "json"
-    rows = datasets.load_dataset(kind, data_files=str(path), split="train")
     items = []
-    for index, row in enumerate(rows):
+    for index, row in enumerate(read_rows(path)):
         for key in (config.prompt_key, config.answer_key):
             if row.get(key) is None:
                 raise ValueError(f"{path}: row {index + 1} has no {key!r}")
@@ -173,6 +170,11 @@ def load_prompt_file(path: Path, config: DataConfig) -> list[dict[str, str]]:
         except KeyError as err:
             raise ValueError(
                 f"data.prompt_template uses {err} but {path} row {index + 1} has no such column"
+            ) from None
+        except (ValueError, IndexError) as err:  # "{0}", "{question", a stray "}"
+            raise ValueError(
+                f"data.prompt_template={config.prompt_template!r} is not a template of named "
+                f"columns like '{{question}}' ({err}; write a literal brace as '{{{{')"
             ) from None
         items.append({"prompt": prompt, "answer": str(row[config.answer_key])})
     return items
@@ -187,22 +189,20 @@ def check_jsonl(
     """Every non-empty line of ``path`` is a JSON object with the ``required`` keys (with
     ``strings``: each a non-empty string); the first that is not stops the run naming
     ``path:line``."""
-    with path.open() as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_number}: not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_number}: expected a JSON object per line")
-            missing = [key for key in required if key not in row]
-            if missing:
-                raise ValueError(f"{path}:{line_number}: missing key(s) {missing} ({key_hint})")
-            for key in required if strings else ():
-                if not isinstance(row[key], str) or not row[key]:
-                    raise ValueError(
-                        f"{path}:{line_number}: {key!r} must be a non-empty string "
-                        f"(got {row[key]!r})"
-                    )
+    for line_number, line in enumerate(text_lines(path), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{line_number}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{line_number}: expected a JSON object per line")
+        missing = [key for key in required if key not in row]
+        if missing:
+            raise ValueError(f"{path}:{line_number}: missing key(s) {missing} ({key_hint})")
+        for key in required if strings else ():
+            if not isinstance(row[key], str) or not row[key]:
+                raise ValueError(
+                    f"{path}:{line_number}: {key!r} must be a non-empty string (got {row[key]!r})"
+                )
