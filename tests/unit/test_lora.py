@@ -1,0 +1,146 @@
+"""LoRA end to end on CPU with real peft and the transformers generator: what the optimizer
+holds, the reference with adapters disabled, adapter-only refits (bytes in proportion to the
+rank) and merged ones, generator/trainer agreement after either, resume, export, bad inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lora_support import (
+    PARITY_ATOL,
+    logprob_gap,
+    lora_policy,
+    model_logprobs,
+    refit,
+    stream_bytes,
+    train_batch,
+    trainer_worker,
+)
+
+from tandem.adapters import is_adapter_name
+from tandem.algorithms.losses import nll_loss
+from tandem.assets import DEFAULT_MODEL_DIR
+from tandem.cli import main
+from tandem.cluster.actors import GeneratorWorker
+from tandem.config import GrpoConfig
+from tandem.config.models import GenerationConfig, PolicyConfig
+from tandem.trainer import PolicyTrainer
+
+HF = GenerationConfig(backend="hf")
+
+
+def test_the_optimizer_holds_the_adapters_and_the_base_stays_frozen() -> None:
+    trainer = trainer_worker(lora_policy(rank=4), HF, steps=0).policy
+    assert trainer.optimizer is not None
+    held = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    named = dict(trainer.lm.named_parameters())
+    assert held == {id(p) for name, p in named.items() if ".lora_" in name}
+    base = {name: p.detach().clone() for name, p in named.items() if ".lora_" not in name}
+    for _ in range(2):
+        trainer.train(train_batch(), nll_loss)
+    assert all(torch.equal(named[name], value) for name, value in base.items())
+    assert any(not torch.equal(p, 0 * p) for n, p in named.items() if ".lora_B" in n)
+
+
+def test_reference_logprobs_are_the_base_models_with_no_second_copy() -> None:
+    worker = trainer_worker(lora_policy(), HF, with_reference=True)
+    assert worker.reference is None
+    base = PolicyTrainer(PolicyConfig(), trainable=False)
+    batch = train_batch()
+    reference = worker.reference_logprobs(batch)
+    assert torch.allclose(reference, base.logprobs(batch), atol=1e-6, rtol=0)
+    assert (worker.logprobs(batch) - reference).abs().max() > 0.1  # the adapters do move it
+
+
+def test_an_adapter_refit_sends_bytes_in_proportion_to_the_rank() -> None:
+    sizes = {}
+    for rank in (4, 8, 16):
+        sent, names = stream_bytes(trainer_worker(lora_policy(rank), HF, steps=0))
+        assert names and all(is_adapter_name(name) for name in names)
+        sizes[rank] = sent
+    assert sizes[8] == 2 * sizes[4] and sizes[16] == 4 * sizes[4]
+    merged, names = stream_bytes(trainer_worker(lora_policy(4), HF, "merged", steps=0))
+    assert not any(is_adapter_name(name) for name in names)
+    full = sum(
+        p.numel() * 4 for p in PolicyTrainer(PolicyConfig(), trainable=False).lm.parameters()
+    )
+    assert merged == full  # fp32, the tied LM head left out as the embedding's alias
+    assert sizes[16] < 0.25 * merged
+
+
+@pytest.mark.parametrize("transport", [False, True], ids=["copy", "colocated"])
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+def test_hf_generator_agrees_with_the_trainer_after_a_refit(mode: str, transport: bool) -> None:
+    trainer = trainer_worker(lora_policy(), HF, mode)  # type: ignore[arg-type]
+    generator = GeneratorWorker(HF, str(DEFAULT_MODEL_DIR))
+    before = logprob_gap(trainer, generator)
+    refit(trainer, generator, 1, transport)
+    assert before > 0.1 and logprob_gap(trainer, generator) <= PARITY_ATOL
+    trainer.train(train_batch(), nll_loss)  # a second refit of the same plan
+    refit(trainer, generator, 2, transport)
+    assert logprob_gap(trainer, generator) <= PARITY_ATOL
+
+
+def test_resume_continues_bit_for_bit_from_adapters_and_optimizer(tmp_path: Path) -> None:
+    straight = trainer_worker(lora_policy(), HF).policy
+    straight.save_checkpoint(tmp_path / "ckpt")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(tmp_path / "ckpt" / "shards")).read_metadata()
+    model_keys = [k for k in saved.state_dict_metadata if k.startswith("model.")]
+    assert model_keys and all(".lora_" in key for key in model_keys)  # no base weight
+    resumed = PolicyTrainer(lora_policy())
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    batch = train_batch()
+    assert torch.equal(straight.logprobs(batch), resumed.logprobs(batch))
+    assert straight.train(batch, nll_loss) == resumed.train(batch, nll_loss)
+    for (name, x), (_, y) in zip(straight.iter_adapter(), resumed.iter_adapter(), strict=True):
+        assert torch.equal(x, y), name
+
+
+def test_export_loads_with_peft_and_merged_with_transformers(tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    trainer = trainer_worker(lora_policy(), HF).policy
+    trainer.export_hf(tmp_path / "adapter")
+    trainer.export_hf(tmp_path / "merged", merged=True)
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()
+    batch = train_batch()
+    ours = trainer.logprobs(batch)
+    base = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL_DIR))
+    adapted = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    for model in (adapted, merged):
+        assert (model_logprobs(model, batch) - ours).abs().max() <= PARITY_ATOL
+
+
+def _cli_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    return err
+
+
+def test_bad_lora_inputs_exit_2_with_one_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = ["grpo", "-c", "grpo_arithmetic_lora", f"logging.run_dir={tmp_path}"]
+    assert "rank" in _cli_error([*run, "policy.lora.rank=0"], capsys)
+    err = _cli_error([*run, "policy.lora.target_modules=[q_proj,qq_proj]"], capsys)
+    assert "qq_proj" in err and "q_proj" in err
+    err = _cli_error([*run, "generation.precision=fp8"], capsys)
+    assert "refit.lora=merged" in err
+    assert not list(tmp_path.iterdir())  # refused before any run folder, Ray or worker
+
+
+def test_merged_refits_need_no_adapter_support() -> None:
+    config = GrpoConfig.model_validate(
+        {"policy": {"lora": {}}, "generation": {"precision": "fp8"}, "refit": {"lora": "merged"}}
+    )
+    assert config.generation.max_lora_rank is None
+    config = GrpoConfig.model_validate({"policy": {"lora": {"rank": 24}}})
+    assert config.generation.max_lora_rank == 24
