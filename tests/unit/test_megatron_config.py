@@ -67,7 +67,9 @@ def test_llama_without_biases_and_what_is_refused() -> None:
     llama = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4)
     assert unsupported(llama) == []
     assert transformer_config_kwargs(llama)["add_qkv_bias"] is False
-    scaled = LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0}, mlp_bias=True)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}
+    llama3 |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaled = LlamaConfig(rope_scaling=llama3, mlp_bias=True)
     problems = unsupported(scaled)
     assert any("llama3" in p for p in problems) and "mlp_bias" in problems
     assert "gemma" in unsupported({"model_type": "gemma"})[0]

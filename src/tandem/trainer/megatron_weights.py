@@ -54,21 +54,23 @@ class DecoderShape:
 
     @classmethod
     def from_hf(cls, config: Any, tensor_parallel: int = 1, divisible_by: int = 1) -> DecoderShape:
-        """``config``: a transformers ``PretrainedConfig`` (or anything with its attributes).
-        The vocabulary is padded to a multiple of ``divisible_by * tensor_parallel`` rows."""
-        heads = int(config.num_attention_heads)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        vocab = int(config.vocab_size)
+        """``config``: a transformers ``PretrainedConfig`` or its config.json as a dict. The
+        vocabulary is padded to a multiple of ``divisible_by * tensor_parallel`` rows."""
+        def get(key: str) -> Any:
+            return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+        heads = int(get("num_attention_heads"))
+        vocab = int(get("vocab_size"))
         return cls(
-            num_layers=int(config.num_hidden_layers),
-            hidden_size=int(config.hidden_size),
+            num_layers=int(get("num_hidden_layers")),
+            hidden_size=int(get("hidden_size")),
             num_heads=heads,
-            num_query_groups=int(getattr(config, "num_key_value_heads", None) or heads),
-            head_dim=int(head_dim),
-            ffn_hidden_size=int(config.intermediate_size),
+            num_query_groups=int(get("num_key_value_heads") or heads),
+            head_dim=int(get("head_dim") or get("hidden_size") // heads),
+            ffn_hidden_size=int(get("intermediate_size")),
             vocab_size=vocab,
             padded_vocab_size=padded_vocab_size(vocab, tensor_parallel, divisible_by),
-            tied=bool(getattr(config, "tie_word_embeddings", False)),
+            tied=bool(get("tie_word_embeddings")),
         )
 
 
