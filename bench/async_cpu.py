@@ -12,7 +12,8 @@ throughput is its samples (prompts x generations) over the seconds of its steps 
 ``train/reward_mean`` per step, and the held-out greedy accuracy at the start and the end. One
 JSON line per run, then the medians over rounds, their spread, each schedule's speedup over
 sync per round (from the same round's runs) and, with both schedules, the share of the free
-schedule's speedup that the fixed lag keeps: (fixed / sync - 1) / (free / sync - 1).
+schedule's speedup that the fixed lag keeps, (fixed / sync - 1) / (free / sync - 1), and
+fixed / free (the same round's runs).
 
     ./run.sh python bench/async_cpu.py [--rounds 2] [--steps 40] [--max-staleness 1]
         [--refit-mode after_requests|in_flight] [--schedules free fixed_lag]
@@ -137,6 +138,10 @@ def main() -> None:
         ]
         summary["fixed_lag_kept_per_round"] = kept
         summary["fixed_lag_kept_median"] = statistics.median(kept)
+        pairs = zip(results["free"], results["fixed_lag"], strict=True)
+        over_free = [fixed["samples_per_s"] / free["samples_per_s"] for free, fixed in pairs]
+        summary["fixed_lag_over_free_per_round"] = over_free
+        summary["fixed_lag_over_free_median"] = statistics.median(over_free)
     settings = {"max_staleness": args.max_staleness, "refit_mode": args.refit_mode}
     emit({"bench": "async_cpu", "summary": True, **settings, **summary})
 
