@@ -432,6 +432,8 @@ class GrpoConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     environment: EnvironmentConfig | None = None
     """Multi-turn rollouts against an environment; None: one response per prompt."""
+    reward: RewardConfig = RewardConfig()
+    """What a rollout's reward adds to the rule of data.reward: a reward model, an LLM judge."""
 
     @model_validator(mode="after")
     def _environment_task(self) -> GrpoConfig:
@@ -446,8 +448,6 @@ class GrpoConfig(Section):
 
     @model_validator(mode="after")
     def _async_needs_split(self) -> GrpoConfig:
-    reward: RewardConfig = RewardConfig()
-    """What a rollout's reward adds to the rule of data.reward: a reward model, an LLM judge."""
         algo = self.algorithm
         if algo.max_staleness == 0:
             if algo.refit_mode == "in_flight":
