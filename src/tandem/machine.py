@@ -37,3 +37,17 @@ def generator_backend(
     if shared_env and find_spec("vllm") is None:
         return "hf"
     return "vllm" if nvidia_devices() or cluster_to_join(address) else "hf"
+
+
+def megatron_misfit(address: str | None) -> str | None:
+    """Why policy.backend=megatron cannot run from here (None if it can): megatron-core's
+    model runs on CUDA only (its rotary embedding and attention buffers ask for the current
+    CUDA device), so the run needs NVIDIA GPUs on this machine or a Ray cluster to join
+    (``address``: cluster.address) that has them. Reads no torch."""
+    if nvidia_devices() or cluster_to_join(address) is not None:
+        return None
+    return (
+        "policy.backend=megatron needs CUDA GPUs (megatron-core's model runs on CUDA only) "
+        "and this machine has none: run on a GPU machine, join a GPU cluster "
+        "(cluster.address or $RAY_ADDRESS), or set policy.backend=fsdp2"
+    )

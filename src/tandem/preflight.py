@@ -127,6 +127,30 @@ def check_lora_targets(policy: PolicyConfig, model_config: dict[str, Any]) -> No
     check_targets(policy.lora, module_names(skeleton))
 
 
+def check_megatron_model(policy: PolicyConfig, model_config: dict[str, Any]) -> None:
+    """policy.backend=megatron converts the model (a Qwen2/Llama-family decoder), and its
+    tensor-parallel size divides the heads and the MLP width."""
+    from tandem.config.megatron import unsupported
+
+    problems = unsupported(model_config)
+    if problems:
+        raise ValueError(
+            f"policy.backend=megatron cannot convert {policy.model_path}: {'; '.join(problems)}"
+            " (set policy.backend=fsdp2 for this model)"
+        )
+    tp = policy.megatron.tensor_parallel_size
+    sizes = {
+        "num_attention_heads": model_config.get("num_attention_heads", 0),
+        "intermediate_size": model_config.get("intermediate_size", 0),
+    }
+    uneven = [f"{key}={size}" for key, size in sizes.items() if size % tp]
+    if uneven:
+        raise ValueError(
+            f"policy.megatron.tensor_parallel_size={tp} does not divide the model's "
+            f"{', '.join(uneven)}: choose a divisor"
+        )
+
+
 def check_run_inputs(
     policy: PolicyConfig, generation: GenerationConfig, data: DataConfig | PreferenceDataConfig
 ) -> int:
@@ -137,6 +161,8 @@ def check_run_inputs(
     model_config = check_model_folder(policy.model_path)
     if policy.lora is not None:
         check_lora_targets(policy, model_config)
+    if policy.backend == "megatron":
+        check_megatron_model(policy, model_config)
     check_data_files(data)
     if isinstance(data, DataConfig):
         resolve_reward(data.reward)

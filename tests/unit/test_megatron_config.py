@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
@@ -73,3 +74,47 @@ def test_llama_without_biases_and_what_is_refused() -> None:
     problems = unsupported(scaled)
     assert any("llama3" in p for p in problems) and "mlp_bias" in problems
     assert "gemma" in unsupported({"model_type": "gemma"})[0]
+
+
+def test_policy_backend_refuses_fsdp2_only_settings() -> None:
+    from pydantic import ValidationError
+
+    from tandem.config.lora import LoraConfig
+    from tandem.config.models import PolicyConfig
+
+    assert PolicyConfig().backend == "fsdp2"
+    PolicyConfig(backend="fsdp2", packing=True, lora=LoraConfig())  # fsdp2 takes both
+    with pytest.raises(ValidationError, match=r"does not take policy.lora .*policy.packing"):
+        PolicyConfig(backend="megatron", packing=True, lora=LoraConfig())
+
+
+def test_megatron_without_gpus_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem import machine
+    from tandem.cluster.spec import RuntimeSpec
+    from tandem.config.models import ClusterConfig, GenerationConfig, PolicyConfig, RefitConfig
+    from tandem.machine import megatron_misfit
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(machine, "nvidia_devices", lambda: [])
+    assert "set policy.backend=fsdp2" in (megatron_misfit(None) or "")
+    assert megatron_misfit("10.0.0.1:6379") is None  # a cluster to join may have GPUs
+    spec = RuntimeSpec(
+        ClusterConfig(), PolicyConfig(backend="megatron"), GenerationConfig(), RefitConfig()
+    )
+    with pytest.raises(ValueError, match="needs CUDA GPUs"):
+        spec.resolve()
+    monkeypatch.setattr(machine, "nvidia_devices", lambda: ["/dev/nvidia0"])
+    assert megatron_misfit(None) is None
+
+
+def test_preflight_checks_the_model_and_the_split() -> None:
+    from tandem.config.models import MegatronConfig, PolicyConfig
+    from tandem.preflight import check_megatron_model
+
+    hf = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    check_megatron_model(PolicyConfig(backend="megatron"), hf)
+    split = PolicyConfig(backend="megatron", megatron=MegatronConfig(tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
+        check_megatron_model(split, hf)
+    with pytest.raises(ValueError, match=r"cannot convert .*'gemma'.*policy\.backend=fsdp2"):
+        check_megatron_model(PolicyConfig(backend="megatron"), hf | {"model_type": "gemma"})

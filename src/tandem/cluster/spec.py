@@ -32,7 +32,12 @@ class RuntimeSpec:
         generator's ``auto`` as ``machine.generator_backend`` says; the runtime's ``auto``
         becomes ``in_process`` where the run fits one process (``in_process_misfits`` is
         empty), else ``ray``; an explicit ``in_process`` that does not fit is an error naming
-        every misfit."""
+        every misfit, and so is policy.backend=megatron with no GPU to reach
+        (``machine.megatron_misfit``)."""
+        if self.policy.backend == "megatron" and (
+            misfit := machine.megatron_misfit(self.cluster.address)
+        ):
+            raise ValueError(misfit)
         shared = (os.environ.get("TANDEM_ENV_MODE") or self.cluster.env_mode) == "shared"
         backend = machine.generator_backend(self.generation, self.cluster.address, shared)
         generation = self.generation.model_copy(update={"backend": backend})

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from tandem.assets import DEFAULT_MODEL_DIR
 from tandem.config.lora import LoraConfig, check_lora_generation
+from tandem.config.megatron import MegatronConfig, TrainerBackend, check_megatron_policy
 from tandem.config.scoring import RewardConfig
 
 
@@ -120,6 +121,18 @@ class PolicyConfig(Section):
     """Train low-rank adapters (peft) on the frozen model instead of every weight; None trains
     every weight. The reference policy is then the model with its adapters disabled, and refits
     send the adapters only (refit.lora)."""
+    backend: TrainerBackend = "fsdp2"
+    """The trainer: fsdp2 (the Hugging Face model sharded with FSDP2; any machine) or megatron
+    (Megatron-core's GPT model built from the Hugging Face config, tensor and pipeline
+    parallel, its distributed optimizer; Qwen2/Llama-family models on CUDA GPUs only, in an
+    environment with the megatron extra)."""
+    megatron: MegatronConfig = MegatronConfig()
+    """Parallel layout of policy.backend=megatron (ignored by fsdp2)."""
+
+    @model_validator(mode="after")
+    def _backend_settings(self) -> PolicyConfig:
+        check_megatron_policy(self)
+        return self
 
 
 class SamplingConfig(Section):
