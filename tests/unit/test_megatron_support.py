@@ -1,0 +1,102 @@
+"""The plain-torch parts of the Megatron trainer: logprobs over a split (and padded)
+vocabulary, and the storage offload that keeps every tensor object."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from tandem.trainer.storage_offload import StorageOffload
+from tandem.trainer.vocab_parallel import token_logprobs
+
+
+def test_logprobs_and_entropy_match_log_softmax_with_padded_vocabulary() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 9, (2, 5))
+    lp, ent = token_logprobs(logits, targets, vocab_size=9, with_entropy=True)
+    ref_logits = logits[..., :9].float()
+    log_p = ref_logits.log_softmax(-1)
+    ref_lp = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(log_p.exp() * log_p).sum(-1)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-6)
+    assert ent is not None
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-6)
+    (lp.sum() + ent.sum()).backward()
+    grad = logits.grad
+    assert grad is not None and torch.all(grad[..., 9:] == 0)  # padded columns get nothing
+    ref = torch.autograd.grad((ref_lp.sum() + ref_ent.sum()), logits)[0]
+    torch.testing.assert_close(grad.float(), ref.float(), rtol=0, atol=1e-6)
+
+
+def test_two_ranks_of_a_split_vocabulary_give_the_full_values() -> None:
+    """Two "ranks" (threads) each hold half the columns; their reductions meet at a barrier
+    (sum: forward the total, backward the identity, as Megatron's). Each rank's values and
+    its columns' gradients equal the unsplit computation's."""
+    torch.manual_seed(1)
+    full = torch.randn(3, 4, 10, dtype=torch.float64)
+    targets = torch.randint(0, 9, (3, 4))
+    barrier = threading.Barrier(2)
+    slots: list[list[torch.Tensor]] = [[], []]
+
+    def exchange(rank: int, value: torch.Tensor) -> list[torch.Tensor]:
+        slots[rank].append(value.detach())
+        barrier.wait()
+        both = [slots[0][-1], slots[1][-1]]
+        barrier.wait()
+        return both
+
+    def run(rank: int, out: dict[int, tuple[torch.Tensor, ...]]) -> None:
+        shard = full[..., rank * 5 : (rank + 1) * 5].clone().requires_grad_(True)
+
+        def reduce_sum(x: torch.Tensor) -> torch.Tensor:
+            total = sum(exchange(rank, x), torch.zeros_like(x))
+            return x + (total - x).detach()
+
+        def reduce_max(x: torch.Tensor) -> torch.Tensor:
+            a, b = exchange(rank, x)
+            return torch.maximum(a, b)
+
+        lp, ent = token_logprobs(shard, targets, rank * 5, 9, True, reduce_sum, reduce_max)
+        assert ent is not None
+        (lp.sum() + ent.sum()).backward()
+        assert shard.grad is not None
+        out[rank] = (lp.detach(), ent.detach(), shard.grad)
+
+    results: dict[int, tuple[torch.Tensor, ...]] = {}
+    threads = [threading.Thread(target=run, args=(r, results)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    ref_logits = full.clone().requires_grad_(True)
+    ref_lp, ref_ent = token_logprobs(ref_logits, targets, 0, 9, True)
+    assert ref_ent is not None
+    (ref_lp.sum() + ref_ent.sum()).backward()
+    assert ref_logits.grad is not None
+    for rank in (0, 1):
+        lp, ent, grad = results[rank]
+        torch.testing.assert_close(lp, ref_lp.detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(ent, ref_ent.detach(), rtol=0, atol=1e-6)
+        columns = ref_logits.grad[..., rank * 5 : (rank + 1) * 5].float()
+        torch.testing.assert_close(grad.float(), columns, rtol=0, atol=1e-6)
+
+
+def test_storage_offload_keeps_objects_views_and_values() -> None:
+    flat = torch.arange(12.0)
+    params = [flat[:4].view(2, 2), flat[4:]]  # views into one buffer, as Megatron's DDP has
+    alias = flat[2:6]
+    other = torch.ones(3)
+    before = [t.clone() for t in (flat, other)]
+    ids = [id(t) for t in (*params, alias, other)]
+    offload = StorageOffload([*params, alias, other, flat], torch.device("cpu"))
+    assert len(offload.holders) == 2 and offload.nbytes == 12 * 4 + 3 * 4
+    offload.offload()
+    assert flat.untyped_storage().nbytes() == 0 and other.untyped_storage().nbytes() == 0
+    offload.onload()
+    assert [id(t) for t in (*params, alias, other)] == ids
+    torch.testing.assert_close(flat, before[0])
+    torch.testing.assert_close(other, before[1])
+    params[1][0] = -1.0  # still views of one storage
+    assert flat[4] == -1.0 and alias[2] == -1.0
