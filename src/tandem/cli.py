@@ -134,6 +134,9 @@ def _run_envs(args: argparse.Namespace) -> None:
 
     kinds = args.kinds or None
     if args.action == "list":
+        print("actor kinds (kind -> environment):")
+        print("\n".join(f"  {line}" for line in envs.registry_lines()))
+        print(f"environments under {envs.cache_root()}:")
         infos = envs.list_envs()
     elif args.action == "build":
         infos = envs.build_envs(kinds, rebuild=args.rebuild)

@@ -83,6 +83,12 @@ REGISTRY: dict[str, EnvSpec | Callable[[], EnvSpec]] = {
     # environments of multi-turn rollouts: the driver's dependencies (the same environment);
     # register a kind with extras for one that needs packages (environment.actor_kind)
     "environment": EnvSpec("driver"),
+    # models beside the policy (cluster/scorers.py): a reward model and a distillation teacher
+    # run forwards only (torch + transformers: the trainer's environment, never vLLM); a judge
+    # generates, so it is a generator
+    "reward_model": EnvSpec("trainer", ("train",)),
+    "teacher": EnvSpec("trainer", ("train",)),
+    "judge": _generator_spec,
 }
 
 
@@ -426,6 +432,16 @@ def build_on_all_nodes(kinds: Iterable[str], rebuild: bool = False) -> dict[str,
 
 
 # -- management (the `tandem envs` command) --------------------------------------------------
+def registry_lines() -> list[str]:
+    """One line per registered actor kind: the environment it runs in and its extras (on this
+    machine: CUDA or not)."""
+    lines = []
+    for kind in REGISTRY:
+        spec = spec_for(kind)
+        lines.append(f"{kind:<13} -> {spec.name:<10} extras: {', '.join(spec.extras) or '-'}")
+    return lines
+
+
 def list_envs() -> list[EnvInfo]:
     """Every environment directory under the cache root, complete or not."""
     root = cache_root()

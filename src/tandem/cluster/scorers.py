@@ -323,8 +323,7 @@ def _actor_group(config: GrpoConfig, kind: str, cls: type, kwargs: dict[str, Any
 
     cluster = config.cluster
     settings = ProcessSettings(actor_threads(cluster), keep_freed_host_memory=True)
-    timeout = config.reward.timeout_s if kind != "teacher" else cluster.call_timeout_s
-    return WorkerGroup(
+    group = WorkerGroup(
         cls,
         1,
         kind=kind,
@@ -332,5 +331,8 @@ def _actor_group(config: GrpoConfig, kind: str, cls: type, kwargs: dict[str, Any
         env_vars=settings.as_env(),
         env_mode=cluster.env_mode,
         num_cpus=cluster.cpus_per_actor,
-        call_timeout_s=timeout,
+        call_timeout_s=cluster.call_timeout_s,  # its start (the model's load)
     )
+    if kind != "teacher":  # a scoring call: the reward section's bound
+        group.call_timeout_s, group.timeout_setting = config.reward.timeout_s, "reward.timeout_s"
+    return group

@@ -95,7 +95,8 @@ class WorkerGroup:
     ``TANDEM_ENV_MODE``) picks the interpreter; ``env_vars`` are added to the actors' environment.
     ``call_timeout_s`` bounds the wait for each rank's result of every call (None: no bound).
     ``max_concurrency`` > 1 makes threaded actors that run that many calls at once (in the
-    order they start, not necessarily the order they were made).
+    order they start, not necessarily the order they were made). ``timeout_setting``: the config
+    key a timed-out call's error names.
     """
 
     def __init__(
@@ -111,6 +112,7 @@ class WorkerGroup:
         num_cpus: float = 1.0,
         call_timeout_s: float | None = None,
         max_concurrency: int = 1,
+        timeout_setting: str = "cluster.call_timeout_s",
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -121,6 +123,8 @@ class WorkerGroup:
         self.kind, self.num_workers = kind, num_workers
         self.concurrent = True  # each actor runs its calls in its own process
         self.call_timeout_s = call_timeout_s
+        self.timeout_setting = timeout_setting
+        """The config key that sets ``call_timeout_s`` (named when a call times out)."""
         self.actors: list[Any] = []
         runtime_env = self._runtime_env(kind, env_vars, env_mode)
         host_cls = ray.remote(_WorkerHost)
@@ -227,7 +231,7 @@ class WorkerGroup:
                     self.kind,
                     rank_of[pending[0]],
                     futures.method,
-                    f"no result after {self.call_timeout_s:g} s (cluster.call_timeout_s); "
+                    f"no result after {self.call_timeout_s:g} s ({self.timeout_setting}); "
                     "it hangs or is far slower than expected",
                 )
             rank = rank_of[ready[0]]

@@ -1,0 +1,120 @@
+"""Reward models: the Bradley-Terry loss, the trainer on the embedded model, its checkpoint and
+export (loaded back by transformers), and ``tandem rm`` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.algorithms.bradley_terry import bradley_terry
+from tandem.assets import DEFAULT_MODEL_DIR
+from tandem.cluster.scorers import check_reward_model, is_reward_model
+from tandem.config.models import OptimizerConfig
+from tandem.trainer.reward_model import RewardModel, RewardModelTrainer
+
+PAIRS = [
+    {"prompt": "17+25=", "chosen": "42", "rejected": "45"},
+    {"prompt": "3+4=", "chosen": "7", "rejected": "9"},
+    {"prompt": "50-8=", "chosen": "42", "rejected": "52"},
+    {"prompt": "11+11=", "chosen": "22", "rejected": "21"},
+]
+
+
+def test_bradley_terry_by_hand() -> None:
+    chosen, rejected = torch.tensor([2.0, 0.0, -1.0]), torch.tensor([0.0, 0.0, 1.0])
+    loss, metrics = bradley_terry(chosen, rejected)
+    by_hand = [math.log1p(math.exp(-m)) for m in (2.0, 0.0, -2.0)]
+    assert float(loss) == pytest.approx(sum(by_hand) / 3, rel=1e-6)
+    assert metrics["accuracy"] == pytest.approx(1 / 3)  # a tie is not a win
+    assert metrics["margin"] == pytest.approx(0.0)
+
+
+def _trainer(lr: float = 3e-3, steps: int = 40) -> RewardModelTrainer:
+    return RewardModelTrainer(DEFAULT_MODEL_DIR, OptimizerConfig(lr=lr), total_steps=steps)
+
+
+def test_the_trainer_fits_pairs_it_trains_on() -> None:
+    torch.set_num_threads(1)
+    trainer = _trainer()
+    before = trainer.evaluate(PAIRS)
+    for _ in range(40):
+        trainer.train_step(PAIRS)
+    after = trainer.evaluate(PAIRS)
+    assert after["loss"] < before["loss"] - 0.2
+    assert after["accuracy"] == 1.0
+
+
+def test_scores_do_not_depend_on_batching_or_padding() -> None:
+    model = RewardModel(DEFAULT_MODEL_DIR, seed=3)
+    prompts = [p["prompt"] for p in PAIRS]
+    responses = ["42", "7 and a much longer response", "", "22"]
+    together = model.score(prompts, responses, batch_size=4)
+    alone = [model.score([p], [r])[0] for p, r in zip(prompts, responses, strict=True)]
+    assert together == pytest.approx(alone, abs=1e-5)
+
+
+def test_checkpoint_resume_and_export(tmp_path: Path) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    torch.set_num_threads(1)
+    trainer = _trainer()
+    for _ in range(3):
+        trainer.train_step(PAIRS)
+    trainer.save_checkpoint(str(tmp_path / "ckpt"))
+    expected = trainer.train_step(PAIRS)
+
+    resumed = _trainer()
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    again = resumed.train_step(PAIRS)
+    assert again["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+    assert again["lr"] == expected["lr"]
+
+    resumed.export_hf(tmp_path / "hf")
+    assert is_reward_model(tmp_path / "hf")
+    loaded = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf"))
+    batch = resumed.encode(["17+25="], ["42"])
+    with torch.no_grad():
+        theirs = float(loaded(**batch).logits[0, 0])
+    assert theirs == pytest.approx(resumed.score(["17+25="], ["42"])[0], abs=1e-5)
+    check_reward_model(tmp_path / "hf", "reward.model")  # accepted
+
+
+def test_a_causal_lm_is_refused_as_a_reward_model() -> None:
+    assert not is_reward_model(DEFAULT_MODEL_DIR)
+    with pytest.raises(ValueError, match=r"reward\.model=.*no sequence-classification head"):
+        check_reward_model(DEFAULT_MODEL_DIR, "reward.model")
+
+
+def test_tandem_rm_trains_evaluates_exports_and_resumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tandem.cli import main
+
+    args = [
+        "rm",
+        "model.threads=1",
+        "algorithm.batch_size=8",
+        "algorithm.eval_every=2",
+        "data.num_eval_pairs=16",
+        "checkpoint.every=2",
+        f"logging.run_dir={tmp_path}",
+        "logging.name=rm",
+        "logging.progress=false",
+    ]
+    assert main([*args, "algorithm.num_steps=2"]) == 0
+    run = tmp_path / "rm"
+    assert is_reward_model(run / "hf")
+    assert main([*args, "algorithm.num_steps=4", "--resume"]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    evaluated = [r["step"] for r in records if "eval/preference_accuracy" in r]
+    assert evaluated == [0, 2, 4]
+    assert all(0.0 <= r["eval/preference_accuracy"] <= 1.0 for r in records if r["step"] in (0, 4))
+    capsys.readouterr()
+    # a fresh run into the same folder is refused with one message (exit 2)
+    assert main([*args, "algorithm.num_steps=2"]) == 2
+    assert "holds an earlier run" in capsys.readouterr().err
