@@ -95,11 +95,13 @@ class PolicyConfig(Section):
     """FSDP2 CPUOffloadPolicy: keep sharded parameters and optimizer state on the host."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; gradients accumulate over the micro-batches of a step."""
-    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    max_tokens_per_micro_batch: int | None = Field(16384, ge=1)
     """Token budget of a micro-batch: its padded size (packed: its tokens) stays within it.
     Micro-batches hold sequences of similar length where that saves more padding than a
     micro-batch costs (``micro_batch_overhead``), else micro_batch_size of them in order; each
-    is trimmed to its longest sequence (``data/packing.py``)."""
+    is trimmed to its longest sequence (``data/packing.py``). The default, 8 x 2048 tokens,
+    bounds a micro-batch's activations when responses run to 2-4k tokens (micro_batch_size
+    sequences of 4k would be twice as many); None: micro_batch_size alone decides."""
     micro_batch_overhead: int | None = Field(None, ge=0)
     """A micro-batch's fixed cost, in tokens of compute, against which cutting a batch by
     length weighs the padding saved. None: measured defaults, 128 on CPU, 4096 on GPU."""
