@@ -79,6 +79,9 @@ def _generator_spec() -> EnvSpec:
 REGISTRY: dict[str, EnvSpec | Callable[[], EnvSpec]] = {
     "driver": EnvSpec("driver"),
     "trainer": EnvSpec("trainer", ("train",)),
+    # policy.backend=megatron: the trainer's packages plus megatron-core (the FSDP2 trainer's
+    # environment never installs it)
+    "trainer_megatron": EnvSpec("trainer-megatron", ("train", "megatron")),
     "generator": _generator_spec,
     # environments of multi-turn rollouts: the driver's dependencies (the same environment);
     # register a kind with extras for one that needs packages (environment.actor_kind)
@@ -90,6 +93,11 @@ REGISTRY: dict[str, EnvSpec | Callable[[], EnvSpec]] = {
     "teacher": EnvSpec("trainer", ("train",)),
     "judge": _generator_spec,
 }
+
+
+def trainer_kind(backend: str) -> str:
+    """The actor kind of the policy trainers of ``policy.backend``."""
+    return "trainer_megatron" if backend == "megatron" else "trainer"
 
 
 def spec_for(kind: str) -> EnvSpec:

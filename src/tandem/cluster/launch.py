@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tandem.cluster.envs import trainer_kind
 from tandem.cluster.groups import Group, InlineGroup
 from tandem.cluster.refit import CopyRefit, TransportRefit
 from tandem.cluster.runtime import Runtime
@@ -159,7 +160,8 @@ def launch_ray(spec: RuntimeSpec) -> Runtime:
     trainer_kwargs, generator_kwargs = worker_kwargs(spec)
     groups: dict[str, Callable[[], Group]] = {
         "trainer": lambda: group(
-            TrainerWorker, cluster.num_trainers, kind="trainer", kwargs=trainer_kwargs,
+            TrainerWorker, cluster.num_trainers, kind=trainer_kind(spec.policy.backend),
+            kwargs=trainer_kwargs,
             bundles=placement.trainer_bundles,
         ),
     }  # fmt: skip
