@@ -100,3 +100,17 @@ def test_storage_offload_keeps_objects_views_and_values() -> None:
     torch.testing.assert_close(other, before[1])
     params[1][0] = -1.0  # still views of one storage
     assert flat[4] == -1.0 and alias[2] == -1.0
+
+
+def test_storage_offload_discards_gradient_buffers_and_reuses_host_memory() -> None:
+    params, grads = torch.arange(6.0), torch.zeros(6)
+    main_grad = grads[2:]  # a view, as a parameter's main_grad
+    first = StorageOffload([params, main_grad], torch.device("cpu"), discard=[grads])
+    assert first.nbytes == 24 and first.discarded_sizes == [24]
+    first.offload()
+    assert grads.untyped_storage().nbytes() == 0
+    first.onload()
+    assert grads.untyped_storage().nbytes() == 24 and main_grad.shape == (4,)
+    torch.testing.assert_close(params, torch.arange(6.0))
+    again = StorageOffload([params], torch.device("cpu"), previous=first)
+    assert again.host is first.host

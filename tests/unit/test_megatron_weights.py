@@ -13,8 +13,10 @@ from tandem.trainer.megatron_weights import (
     DecoderShape,
     fuse_qkv,
     global_name,
+    hf_metadata,
     hf_names,
     hf_to_megatron,
+    megatron_shapes,
     megatron_to_hf,
     split_qkv,
     stage_name,
@@ -58,6 +60,14 @@ def _assert_round_trip(config: Qwen2Config, hf: dict[str, torch.Tensor], tp: int
     back = dict(megatron_to_hf(gathered, shape))
     assert sorted(back) == sorted(hf)
     assert sorted(back) == sorted(hf_names(shape, qkv_bias=True))
+    # the streams' layout: every Megatron tensor's full shape, and the HF tensors made of
+    # them in that order with their shapes
+    layout = megatron_shapes(shape, qkv_bias=True)
+    assert {name: tuple(t.shape) for name, t in mc.items()} == layout
+    ordered = {name: mc[name] for name in layout}
+    assert [(n, tuple(t.shape)) for n, t in megatron_to_hf(ordered, shape)] == hf_metadata(
+        shape, qkv_bias=True
+    )
     for name, tensor in hf.items():
         assert back[name].shape == tensor.shape, name
         assert torch.equal(back[name], tensor), name

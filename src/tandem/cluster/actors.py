@@ -35,6 +35,18 @@ def intra_op_threads(count: int) -> Iterator[None]:
         torch._C.set_num_threads(before)
 
 
+def trainer_class(policy: PolicyConfig) -> Any:
+    """The trainer of ``policy.backend``: ``PolicyTrainer`` (FSDP2) or ``MegatronTrainer``
+    (imported only then: megatron-core is in the megatron extra alone)."""
+    if policy.backend == "megatron":
+        from tandem.trainer.megatron_trainer import MegatronTrainer
+
+        return MegatronTrainer
+    from tandem.trainer import PolicyTrainer
+
+    return PolicyTrainer
+
+
 class TrainerWorker:
     """One trainer rank: the policy (and, with a KL penalty, a frozen reference) and its side of
     the refit (``trainer.refit.WeightSource``). ``node_ip``: the address generators on other
@@ -53,15 +65,13 @@ class TrainerWorker:
         total_steps: int | None = None,
         node_ip: str = "127.0.0.1",
     ):
-        from tandem.trainer import PolicyTrainer
         from tandem.trainer.refit import WeightSource
 
+        trainer = trainer_class(policy)
         self.rank = rank
-        self.policy = PolicyTrainer(
-            policy, rank=rank, world_size=world_size, total_steps=total_steps
-        )
+        self.policy = trainer(policy, rank=rank, world_size=world_size, total_steps=total_steps)
         self.reference = (
-            PolicyTrainer(policy, rank=rank, world_size=world_size, trainable=False)
+            trainer(policy, rank=rank, world_size=world_size, trainable=False)
             if with_reference and policy.lora is None
             else None
         )

@@ -1,6 +1,7 @@
 """Megatron-core's model settings from a Hugging Face Qwen2/Llama config: the keyword arguments
-of ``TransformerConfig`` and of ``GPTModel`` (pure functions, no megatron import), and what
-keeps a model from converting (``config.megatron``). ``hf`` is a transformers config or its config.json as a dict."""
+of ``TransformerConfig`` and of ``GPTModel`` (pure functions, no megatron import); what keeps a
+model from converting is ``config.megatron.unsupported``. ``hf`` is a transformers config or
+its config.json as a dict."""
 
 from __future__ import annotations
 

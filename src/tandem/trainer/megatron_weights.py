@@ -56,6 +56,7 @@ class DecoderShape:
     def from_hf(cls, config: Any, tensor_parallel: int = 1, divisible_by: int = 1) -> DecoderShape:
         """``config``: a transformers ``PretrainedConfig`` or its config.json as a dict. The
         vocabulary is padded to a multiple of ``divisible_by * tensor_parallel`` rows."""
+
         def get(key: str) -> Any:
             return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
@@ -195,17 +196,47 @@ def megatron_tensor_to_hf(
             yield prefix + "mlp.up_proj.weight", up
 
 
+def megatron_shapes(shape: DecoderShape, qkv_bias: bool) -> dict[str, tuple[int, ...]]:
+    """The full shape of every Megatron-core tensor of a model of ``shape`` (vocabulary
+    padded), in the order streams follow: embedding, final norm, output layer (untied), then
+    layer by layer its norms, output projections, QKV (weight, bias) and fc1."""
+    hidden, ffn, vocab = shape.hidden_size, shape.ffn_hidden_size, shape.padded_vocab_size
+    qkv = (shape.num_heads + 2 * shape.num_query_groups) * shape.head_dim
+    out: dict[str, tuple[int, ...]] = {
+        "embedding.word_embeddings.weight": (vocab, hidden),
+        "decoder.final_layernorm.weight": (hidden,),
+    }
+    if not shape.tied:
+        out["output_layer.weight"] = (vocab, hidden)
+    for layer in range(shape.num_layers):
+        prefix = _MC_LAYER.format(layer)
+        out[prefix + "input_layernorm.weight"] = (hidden,)
+        out[prefix + "self_attention.linear_proj.weight"] = (
+            hidden,
+            shape.num_heads * shape.head_dim,
+        )
+        out[prefix + "pre_mlp_layernorm.weight"] = (hidden,)
+        out[prefix + "mlp.linear_fc2.weight"] = (hidden, ffn)
+        out[prefix + "self_attention.linear_qkv.weight"] = (qkv, hidden)
+        if qkv_bias:
+            out[prefix + "self_attention.linear_qkv.bias"] = (qkv,)
+        out[prefix + "mlp.linear_fc1.weight"] = (2 * ffn, hidden)
+    return out
+
+
+def hf_metadata(shape: DecoderShape, qkv_bias: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every Hugging Face tensor ``megatron_tensor_to_hf`` makes of the
+    tensors of ``megatron_shapes``, in that order (the conversion run on meta tensors)."""
+    out = []
+    for name, full in megatron_shapes(shape, qkv_bias).items():
+        meta = torch.empty(full, device="meta")
+        out += [(hf, tuple(t.shape)) for hf, t in megatron_tensor_to_hf(name, meta, shape)]
+    return out
+
+
 def hf_names(shape: DecoderShape, qkv_bias: bool) -> list[str]:
     """Every Hugging Face name ``megatron_to_hf`` yields for a model of ``shape``."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not shape.tied:
-        names.append("lm_head.weight")
-    per_layer = list(_LAYER_PAIRS.values()) + [f"self_attn.{p}_proj.weight" for p in "qkv"]
-    per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"] if qkv_bias else []
-    per_layer += ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
-    for layer in range(shape.num_layers):
-        names += [_HF_LAYER.format(layer) + suffix for suffix in per_layer]
-    return names
+    return [name for name, _ in hf_metadata(shape, qkv_bias)]
 
 
 # -- pipeline stages --------------------------------------------------------------------------

@@ -16,23 +16,38 @@ from collections.abc import Iterable
 import torch
 
 
-class StorageOffload:
-    """The distinct device storages behind ``tensors`` (found once, at construction) and
-    their host copies (allocated at the first ``offload``, pinned where CUDA is, reused)."""
+def _by_storage(tensors: Iterable[torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for tensor in tensors:
+        if tensor.device == device and tensor.untyped_storage().nbytes():
+            seen.setdefault(tensor.untyped_storage().data_ptr(), tensor)
+    return seen
 
-    def __init__(self, tensors: Iterable[torch.Tensor], device: torch.device):
+
+class StorageOffload:
+    """The distinct device storages behind ``tensors`` (found at construction, all resident)
+    and their host copies (allocated at the first ``offload``, pinned where CUDA is).
+    Storages behind ``discard`` are freed and given back without their bytes (gradient
+    buffers that are zeroed before use). ``previous``: an earlier instance over the same
+    storages, whose host memory is reused when the sizes agree."""
+
+    def __init__(
+        self,
+        tensors: Iterable[torch.Tensor],
+        device: torch.device,
+        discard: Iterable[torch.Tensor] = (),
+        previous: StorageOffload | None = None,
+    ):
         self.device = device
-        seen: dict[int, torch.Tensor] = {}
-        for tensor in tensors:
-            if tensor.device != device:
-                continue
-            storage = tensor.untyped_storage()
-            if storage.nbytes() and storage.data_ptr() not in seen:
-                seen[storage.data_ptr()] = tensor
-        self.holders = list(seen.values())
-        """One tensor per storage: ``untyped_storage()`` of it reaches the storage."""
+        dropped = _by_storage(discard, device)
+        kept = {k: t for k, t in _by_storage(tensors, device).items() if k not in dropped}
+        self.holders = list(kept.values())
+        """One tensor per kept storage: ``untyped_storage()`` of it reaches the storage."""
         self.sizes = [t.untyped_storage().nbytes() for t in self.holders]
-        self.host: list[torch.Tensor] = []
+        self.discarded = list(dropped.values())
+        self.discarded_sizes = [t.untyped_storage().nbytes() for t in self.discarded]
+        same = previous is not None and previous.sizes == self.sizes
+        self.host: list[torch.Tensor] = previous.host if same and previous else []
         self.resident = True
 
     @property
@@ -55,7 +70,7 @@ class StorageOffload:
             host.copy_(self._bytes(holder, size), non_blocking=pin)
         if pin:
             torch.cuda.synchronize(self.device)
-        for holder in self.holders:
+        for holder in self.holders + self.discarded:
             holder.untyped_storage().resize_(0)
         self.resident = False
 
@@ -67,6 +82,8 @@ class StorageOffload:
         for holder, size, host in zip(self.holders, self.sizes, self.host, strict=True):
             holder.untyped_storage().resize_(size)
             self._bytes(holder, size).copy_(host, non_blocking=pin)
+        for holder, size in zip(self.discarded, self.discarded_sizes, strict=True):
+            holder.untyped_storage().resize_(size)
         if pin:
             torch.cuda.synchronize(self.device)
         self.resident = True
