@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pause_gc()  # a run's start: imports, Ray, the actors (``imports.without_gc``)
     ray_was_up = _ray_is_up()
     try:
-        with signals_as_interrupts():
+        with signals_as_interrupts(f"tandem {args.command}"):
             func(args)
     except WorkerError as err:
         print(f"tandem {args.command}: error: {err}", file=sys.stderr)

@@ -41,24 +41,25 @@ def _quiet(*_: Any) -> None:
     """An unraisable error (a finaliser's) or a thread's, while the command is torn down."""
 
 
-def _watchdog(done: threading.Event, status: int) -> None:
+def _watchdog(done: threading.Event, status: int, label: str, word: str) -> None:
     if done.wait(GRACE_S):
         return
-    print(
-        f"tandem: stopping took longer than {GRACE_S:g} s after the signal; exiting now",
-        file=sys.__stderr__,
-        flush=True,
-    )
+    from tandem.logging.console import terminal  # the terminal, also while a run's is quiet
+
+    stream = terminal()
+    print(f"{label}: {word} (stopping took over {GRACE_S:g} s: cut short)", file=stream)
+    stream.flush()
     for child in multiprocessing.active_children():
         child.kill()
     os._exit(status)
 
 
 @contextmanager
-def signals_as_interrupts() -> Iterator[None]:
+def signals_as_interrupts(label: str = "tandem") -> Iterator[None]:
     """Within the block, SIGINT raises ``KeyboardInterrupt`` and SIGTERM ``Terminated`` in the
-    main thread; the first of them also silences finalisers and starts the watchdog. Outside
-    the main thread (where handlers cannot be set) the block changes nothing."""
+    main thread; the first of them also silences finalisers and starts the watchdog (which
+    prints ``label: interrupted`` when it cuts the way out short). Outside the main thread
+    (where handlers cannot be set) the block changes nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -68,15 +69,17 @@ def signals_as_interrupts() -> Iterator[None]:
 
     def handler(signum: int, _frame: FrameType | None) -> None:
         nonlocal signalled
+        interrupt = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
         if not signalled:
             signalled = True
             sys.unraisablehook = _quiet
             threading.excepthook = _quiet
+            status, word = exit_status(interrupt)
             watchdog = threading.Thread(
-                target=_watchdog, args=(done, 128 + signum), name="tandem-watchdog", daemon=True
+                target=_watchdog, args=(done, status, label, word), daemon=True
             )
             watchdog.start()
-        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        raise interrupt
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

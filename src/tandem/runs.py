@@ -4,6 +4,7 @@ checkpoint's policy."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -21,6 +22,14 @@ COMPLETE_MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
 """Each checkpoint's files and their sizes, written last before ``COMPLETE``: a file truncated
 or lost afterwards (a copy, a full disk, a hand) shows as damage before anything loads it."""
+
+DISK_FULL_BYTES = 16 * 2**20
+"""A checkpoint whose write failed with less free space than this left on its filesystem failed
+because the disk is full (torch's writers do not say so: "unexpected pos ...")."""
+
+DAMAGED_PREFIX = "damaged_"
+"""A checkpoint ``--resume`` found damaged is moved aside to ``damaged_step_N``: kept for a look,
+no longer counted among the checkpoints kept, loaded or pruned."""
 
 _log = logging.getLogger(__name__)
 
@@ -59,7 +68,19 @@ class Checkpoints:
     def save(self, step: int, runtime: Any, state: dict[str, Any]) -> Path:
         final = self.root / f"step_{step}"
         with atomic_dir(final, hidden=True) as tmp:  # hidden: _prune's step_* never sees it
-            runtime.save_checkpoint(str((tmp / "trainer").resolve()))
+            try:
+                runtime.save_checkpoint(str((tmp / "trainer").resolve()))
+            except BaseException as err:  # DCP's CheckpointException is a BaseException
+                # torch's writers report a full disk in words of their own
+                free = shutil.disk_usage(tmp).free
+                if isinstance(err, KeyboardInterrupt | SystemExit) or free >= DISK_FULL_BYTES:
+                    raise
+                raise OSError(
+                    errno.ENOSPC,
+                    f"No space left on device for checkpoint {final.name} ({free} bytes free; "
+                    "the previous checkpoint is intact)",
+                    str(self.root),
+                ) from err
             (tmp / "driver_state.json").write_text(json.dumps({"step": step, **state}))
             files = (p for p in tmp.rglob("*") if p.is_file())
             sizes = {str(p.relative_to(tmp)): p.stat().st_size for p in files}
@@ -101,7 +122,13 @@ class Checkpoints:
                 if problems:
                     _log.warning(f"--resume: continuing from {path}")
                 return dict(json.loads((path / "driver_state.json").read_text()))
-            _log.warning(f"--resume: checkpoint {path} is damaged ({problem}); skipping it")
+            aside = path.with_name(DAMAGED_PREFIX + path.name)
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(path, aside)
+            _log.warning(
+                f"--resume: checkpoint {path} is damaged ({problem}); moved to {aside.name}, "
+                "trying the one before"
+            )
             problems.append(f"{path.name}: {problem}")
         raise ValueError(
             f"--resume: no usable checkpoint under {self.root}"

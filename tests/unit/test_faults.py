@@ -311,7 +311,10 @@ def test_ctrl_c_while_rewards_score_leaves_no_worker_and_no_traceback(tmp_path: 
         except KeyboardInterrupt:
                         print("interrupted", len(multiprocessing.active_children()), flush=True)
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         stdout=subprocess.PIPE,
@@ -373,7 +376,7 @@ def _shard(step_dir: Path) -> Path:
     return max((step_dir / "trainer" / "shards").glob("*.distcp"), key=lambda p: p.stat().st_size)
 
 
-DAMAGE: dict[str, Callable[[Path], None]] = {
+DAMAGE: dict[str, Callable[[Path], object]] = {
     "truncated shard": lambda d: _shard(d).write_bytes(_shard(d).read_bytes()[:100]),
     "missing shard": lambda d: _shard(d).unlink(),
     "bad driver_state.json": lambda d: (d / "driver_state.json").write_text("{oops"),
@@ -402,7 +405,7 @@ def test_all_checkpoints_damaged_is_refused(
     checkpoints = _two_checkpoints(tmp_path, runtime)
     for step in (1, 2):
         DAMAGE["truncated shard"](tmp_path / "checkpoints" / f"step_{step}")
-    with pytest.raises(ValueError, match="no usable checkpoint.*step_2.*step_1"):
+    with pytest.raises(ValueError, match=r"no usable checkpoint.*step_2.*step_1"):
         checkpoints.load(runtime)
 
 
@@ -517,3 +520,33 @@ def test_resume_with_another_model_ends_the_command_with_2(
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count(": error: ") == 1, err
     assert f"policy.model_path: {DEFAULT_MODEL_DIR} -> {other}" in err, err
+
+
+# ---- 5. signals inside a command ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sig", "status", "word"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+)
+def test_a_signal_becomes_an_interrupt_and_silences_finalisers(
+    sig: signal.Signals, status: int, word: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tandem.interrupts import exit_status, signals_as_interrupts
+
+    class FailsWhenFreed:
+        def __del__(self) -> None:
+            raise RuntimeError("engine already shut down")
+
+    hook = sys.unraisablehook
+    try:
+        with pytest.raises(KeyboardInterrupt) as info, signals_as_interrupts("tandem grpo"):
+            held = FailsWhenFreed()
+            os.kill(os.getpid(), sig)
+            time.sleep(1)  # the handler raises here
+        del held
+        assert exit_status(info.value) == (status, word)
+        assert "engine already shut down" not in capsys.readouterr().err
+    finally:
+        sys.unraisablehook = hook
+    assert signal.getsignal(signal.SIGINT) is not None  # the previous handlers are back
