@@ -8,6 +8,7 @@ from tandem.config import (
     ConfigError,
     DpoConfig,
     GrpoConfig,
+    RmConfig,
     SftConfig,
     load_config,
     save_resolved,
@@ -17,10 +18,11 @@ from tandem.config.load import RECIPES_DIR
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES_DIR.glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_shipped_recipe_validates(recipe: Path) -> None:
-    kinds = {"sft": SftConfig, "dpo": DpoConfig, "ipo": DpoConfig}
+    kinds = {"sft": SftConfig, "dpo": DpoConfig, "ipo": DpoConfig, "rm": RmConfig}
     model = kinds.get(recipe.stem.split("_")[0], GrpoConfig)
     config = load_config(model, recipe)
-    assert config.policy.model_path.exists()
+    section = config.model if isinstance(config, RmConfig) else config.policy
+    assert section.model_path.exists()
 
 
 def test_overrides_are_typed_and_nested() -> None:

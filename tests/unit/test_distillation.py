@@ -1,0 +1,50 @@
+"""On-policy distillation's advantage, the judge's verdict parser and the reward section's
+checks."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tandem.algorithms.distillation import distill_advantages
+from tandem.cluster.scorers import parse_verdict
+from tandem.config import GrpoConfig, load_config
+from tandem.config.load import ConfigError
+
+
+def test_the_advantage_is_the_negative_per_token_reverse_kl() -> None:
+    teacher = torch.tensor([[0.0, -1.0, -0.5, -9.0], [0.0, -2.0, -0.1, 0.0]])
+    student = torch.tensor([[0.0, -0.5, -0.5, -1.0], [0.0, -1.0, -0.3, 0.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0]])
+    advantages, metrics = distill_advantages(teacher, student, mask, coef=2.0)
+    expected = torch.tensor([[0.0, -1.0, 0.0, 0.0], [0.0, -2.0, 0.4, 0.0]])
+    assert torch.allclose(advantages, expected)  # masked tokens (the -9 one) get nothing
+    # KL(student || teacher) sampled: mean of student - teacher over the 4 trained tokens
+    assert metrics["distill/reverse_kl"] == pytest.approx((0.5 + 0.0 + 1.0 - 0.2) / 4)
+    assert metrics["distill/teacher_logprob"] == pytest.approx((-1.0 - 0.5 - 2.0 - 0.1) / 4)
+
+
+@pytest.mark.parametrize(
+    ("text", "pattern", "value"),
+    [
+        ("Score: 7/10", r"-?\d+(?:\.\d+)?", 7.0),
+        ("I give it 8.5 out of 10", r"-?\d+(?:\.\d+)?", 8.5),
+        ("no number here", r"-?\d+(?:\.\d+)?", None),
+        ("verdict=[[3]] (ten was 10)", r"\[\[(\d+)\]\]", 3.0),
+        ("verdict: 3", r"\[\[(\d+)\]\]", None),
+    ],
+)
+def test_verdicts_are_parsed_by_the_pattern(text: str, pattern: str, value: float | None) -> None:
+    assert parse_verdict(text, re.compile(pattern)) == value
+
+
+def test_the_reward_section_is_checked_when_loaded() -> None:
+    config = load_config(GrpoConfig, None, ["reward.judge=/some/judge"])
+    assert "{response}" in config.reward.judge_template
+    assert config.reward.has_models and config.reward.rule_weight == 1.0
+    with pytest.raises(ConfigError, match="judge_pattern is not a regular expression"):
+        load_config(GrpoConfig, None, ["reward.judge_pattern=(unclosed"])
+    with pytest.raises(ConfigError, match=re.escape("lacks {prompt} and {response}")):
+        load_config(GrpoConfig, None, ["reward.judge=/j", "reward.judge_template=Grade it:"])
