@@ -58,7 +58,8 @@ def _watchdog(done: threading.Event, status: int, label: str, word: str) -> None
 def signals_as_interrupts(label: str = "tandem") -> Iterator[None]:
     """Within the block, SIGINT raises ``KeyboardInterrupt`` and SIGTERM ``Terminated`` in the
     main thread; the first of them also silences finalisers and starts the watchdog (which
-    prints ``label: interrupted`` when it cuts the way out short). Outside the main thread
+    prints ``label: interrupted`` when it cuts the way out short); later ones are ignored, so
+    a second Ctrl-C does not stop the cleanup half-way. Outside the main thread
     (where handlers cannot be set) the block changes nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -69,16 +70,15 @@ def signals_as_interrupts(label: str = "tandem") -> Iterator[None]:
 
     def handler(signum: int, _frame: FrameType | None) -> None:
         nonlocal signalled
+        if signalled:  # a second Ctrl-C would cut the cleanup half-way; the watchdog bounds it
+            return
+        signalled = True
         interrupt = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-        if not signalled:
-            signalled = True
-            sys.unraisablehook = _quiet
-            threading.excepthook = _quiet
-            status, word = exit_status(interrupt)
-            watchdog = threading.Thread(
-                target=_watchdog, args=(done, status, label, word), daemon=True
-            )
-            watchdog.start()
+        sys.unraisablehook = _quiet
+        threading.excepthook = _quiet
+        status, word = exit_status(interrupt)
+        watchdog = threading.Thread(target=_watchdog, args=(done, status, label, word), daemon=True)
+        watchdog.start()
         raise interrupt
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}

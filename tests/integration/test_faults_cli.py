@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -44,12 +44,26 @@ target.{function} = signalling
 work is done, still inside the caller's block), then starts the real command."""
 
 
+_STARTED: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_run_outlives_its_test() -> Iterator[None]:
+    """A case that fails (a run that hangs past its bound) leaves nothing running."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def _start(tmp: Path, args: list[str], prelude: str = "") -> subprocess.Popen[str]:
     code = f"{prelude}\nimport sys\nsys.argv = ['tandem', *{args!r}]\n"
     code += "from tandem.cli import entry\nentry()\n"
     env = {**os.environ, "RAY_ADDRESS": ""}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp), env.get("PYTHONPATH", "")])
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-c", code],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -58,6 +72,8 @@ def _start(tmp: Path, args: list[str], prelude: str = "") -> subprocess.Popen[st
         env=env,
         start_new_session=True,  # its own process group, as a terminal gives a command
     )
+    _STARTED.append(proc)
+    return proc
 
 
 def _run_args(tmp: Path, *extra: str) -> list[str]:

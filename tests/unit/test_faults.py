@@ -550,3 +550,21 @@ def test_a_signal_becomes_an_interrupt_and_silences_finalisers(
     finally:
         sys.unraisablehook = hook
     assert signal.getsignal(signal.SIGINT) is not None  # the previous handlers are back
+
+
+def test_a_second_ctrl_c_does_not_cut_the_cleanup_short() -> None:
+    from tandem.interrupts import signals_as_interrupts
+
+    hook, cleaned = sys.unraisablehook, False
+    try:
+        with pytest.raises(KeyboardInterrupt), signals_as_interrupts():
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+            finally:
+                os.kill(os.getpid(), signal.SIGINT)  # the impatient second Ctrl-C
+                time.sleep(0.2)
+                cleaned = True
+    finally:
+        sys.unraisablehook = hook
+    assert cleaned
