@@ -279,6 +279,9 @@ def test_max_staleness_needs_split_placement_and_a_correction(tmp_path: Path) ->
         _config(tmp_path, "algorithm.refit_mode=in_flight")
     with pytest.raises(ValueError, match="after_requests"):
         _config(tmp_path, "algorithm.max_staleness=1", "algorithm.refit_mode=sometimes")
+    with pytest.raises(ValueError, match="after_requests with async_schedule=fixed_lag"):
+        fixed = ("algorithm.max_staleness=1", "algorithm.async_schedule=fixed_lag")
+        _config(tmp_path, *fixed, "algorithm.refit_mode=in_flight")
 
 
 def test_a_two_call_generator_builds_and_generates_on_one_thread_of_its_own(
