@@ -72,7 +72,10 @@ def load(trainer: MegatronTrainer, path: Path) -> Restored:
             f"{record.get('megatron', 'policy.backend=fsdp2')}; this trainer is "
             f"{trainer.world_size} ranks with {layout}: resume on the layout that saved it"
         )
-    state = torch.load(found / f"rank{trainer.rank}.pt", map_location=trainer.device)
+    # our own file (model state may hold extra-state objects): not weights_only
+    state = torch.load(
+        found / f"rank{trainer.rank}.pt", map_location=trainer.device, weights_only=False
+    )
     trainer.model.load_state_dict(state["model"], strict=False)
     inner = _inner(trainer)
     for opt, saved, main in zip(inner, state["optimizers"], state["main"], strict=True):

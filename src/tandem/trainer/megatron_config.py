@@ -59,7 +59,10 @@ def transformer_config_kwargs(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
         sequence_parallel=False,  # (sequences of any length; it would need a multiple of tp)
-        variable_seq_lengths=True,
+        # micro-batches are trimmed to their longest sequence: stages exchange shapes (the MoE
+        # dispatcher setting only satisfies the check that goes with it; there are no experts)
+        variable_seq_lengths=pipeline_parallel > 1,
+        moe_token_dispatcher_type="alltoall",
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=bf16,

@@ -296,8 +296,12 @@ class MegatronTrainer:
         def forward_step(data: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
             mb = next(data)
             ids = mb.batch.input_ids.to(self.device)
-            positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-            output = model(ids, positions, None)
+            width = ids.shape[1]
+            positions = torch.arange(width, device=self.device).expand_as(ids)
+            # causal (right padding needs no more); explicit, as Megatron's default is made
+            # on "cuda" whatever the model's device
+            causal = torch.ones(width, width, dtype=torch.bool, device=self.device)
+            output = model(ids, positions, causal.triu(diagonal=1)[None, None])
             return output, lambda logits: (loss_func(mb, logits), one, {})
 
         longest = max(mb.batch.input_ids.shape[1] for mb in micro_batches)

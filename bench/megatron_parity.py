@@ -1,0 +1,284 @@
+"""The Megatron-core trainer against the FSDP2 trainer on one GPU (JSON lines).
+
+1. Parity on a random Qwen2.5-0.5B-shaped model (real widths and vocabulary, ``--layers``
+   deep): logprobs and entropies before training, the loss, grad norm and logprobs after one
+   AdamW step, in fp32 (goal <= 1e-5) and bf16 (goal <= 1e-2). In fp32 also: the weight stream
+   (HF names) equals the model folder's tensors, and a checkpoint saved, trained past and
+   loaded gives the same logprobs.
+2. Throughput at the 1.5B shape, 2048-token sequences, bf16: train-step MFU of both trainers
+   (model FLOPs per token 6N + 12*L*d*S as ``bench/train_throughput.py``, over the bf16 matmul
+   peak measured in the same run).
+3. Megatron's offload: device bytes allocated after it (goal 0), offload/onload GB/s against
+   the pinned-copy ceiling of the same run, the same tensor objects after onload, and equal
+   logprobs.
+
+    PYTHONPATH=src python bench/megatron_parity.py [--layers 24] [--skip-throughput]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from ceilings import _copy_seconds, _matmul_seconds, emit
+
+from tandem.algorithms.losses import nll_loss
+from tandem.assets.real_shapes import real_config
+from tandem.config.models import MegatronConfig, OptimizerConfig, PolicyConfig
+from tandem.data.batch import TrainBatch
+
+
+def model_dir(shape: str, layers: int | None, root: Path) -> Path:
+    """A Hugging Face folder (config + bf16 safetensors) of a random Qwen2.5-``shape``."""
+    import transformers
+
+    path = root / f"qwen25-{shape}-{layers or 'all'}"
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model: Any = transformers.Qwen2ForCausalLM(real_config(shape, layers))
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def parity_batch(vocab: int, rows: int = 4, width: int = 192) -> TrainBatch:
+    """Right-padded rows of different lengths, the loss on the second half of each."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (rows, width), generator=gen)
+    attention = torch.zeros(rows, width, dtype=torch.long)
+    loss_mask = torch.zeros(rows, width)
+    for row in range(rows):
+        length = width - 37 * row
+        attention[row, :length] = 1
+        loss_mask[row, length // 2 : length] = 1
+    return TrainBatch(ids * attention, attention, loss_mask)
+
+
+def build(backend: str, path: Path, dtype: str, **extra: Any) -> Any:
+    config = PolicyConfig(
+        model_path=path,
+        dtype=dtype,  # type: ignore[arg-type]
+        backend=backend,  # type: ignore[arg-type]
+        optimizer=OptimizerConfig(lr=1e-4, max_grad_norm=1.0),
+        megatron=MegatronConfig(),
+        **extra,
+    )
+    if backend == "megatron":
+        from tandem.trainer.megatron_trainer import MegatronTrainer
+
+        return MegatronTrainer(config, device="cuda:0")
+    from tandem.trainer import PolicyTrainer
+
+    return PolicyTrainer(config, device="cuda:0")
+
+
+def release(*objects: Any) -> None:
+    del objects
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def masked_max(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(((a - b).abs() * mask).max())
+
+
+def run_one(backend: str, path: Path, dtype: str, batch: TrainBatch) -> dict[str, Any]:
+    trainer = build(backend, path, dtype)
+    out: dict[str, Any] = {}
+    out["logprobs"], out["entropy"] = trainer.logprobs(batch, with_entropy=True)
+    out["train"] = trainer.train(batch, nll_loss)
+    out["after"] = trainer.logprobs(batch)
+    if backend == "megatron" and dtype == "float32":
+        out["checks"] = megatron_checks(trainer, path, batch)
+    release(trainer)
+    return out
+
+
+def megatron_checks(trainer: Any, path: Path, batch: TrainBatch) -> dict[str, Any]:
+    """The weight stream's names and shapes against the metadata, a checkpoint's round trip,
+    export_hf's folder loads back."""
+    import tempfile
+
+    import transformers
+
+    meta = trainer.weight_metadata()
+    stream = [(n, tuple(t.shape)) for n, t in trainer.iter_weights()]
+    checks: dict[str, Any] = {"stream_matches_metadata": stream == [(n, s) for n, s, _ in meta]}
+    with tempfile.TemporaryDirectory() as tmp:
+        before = trainer.logprobs(batch)
+        trainer.save_checkpoint(Path(tmp) / "ckpt", {"k": 1})
+        trainer.train(batch, nll_loss)
+        extra = trainer.load_checkpoint(Path(tmp) / "ckpt")
+        checks["checkpoint_logprob_diff"] = float((trainer.logprobs(batch) - before).abs().max())
+        checks["checkpoint_extra"] = extra
+        trainer.export_hf(Path(tmp) / "export")
+        lm = transformers.AutoModelForCausalLM.from_pretrained(str(Path(tmp) / "export"))
+        hf = {n: p.float() for n, p in lm.state_dict().items()}
+        ours = {n: t.float().cpu() for n, t in trainer.iter_weights()}
+        checks["export_max_diff"] = max(float((hf[n] - t).abs().max()) for n, t in ours.items())
+    return checks
+
+
+def parity(args: argparse.Namespace, root: Path) -> None:
+    path = model_dir("0.5b", args.layers, root)
+    batch = parity_batch(151_936)
+    mask = batch.attention_mask.float()
+    mask[:, 0] = 0
+    for dtype, goal in (("float32", 1e-5), ("bfloat16", 1e-2)):
+        ref = run_one("fsdp2", path, dtype, batch)
+        meg = run_one("megatron", path, dtype, batch)
+        record = {
+            "figure": "megatron_parity",
+            "dtype": dtype,
+            "layers": args.layers,
+            "goal": goal,
+            "logprob_max_diff": masked_max(ref["logprobs"], meg["logprobs"], mask),
+            "entropy_max_diff": masked_max(ref["entropy"], meg["entropy"], mask),
+            "loss_fsdp2": ref["train"]["loss"],
+            "loss_megatron": meg["train"]["loss"],
+            "grad_norm_fsdp2": ref["train"]["grad_norm"],
+            "grad_norm_megatron": meg["train"]["grad_norm"],
+            "after_step_logprob_max_diff": masked_max(ref["after"], meg["after"], mask),
+        }
+        emit(record | meg.get("checks", {}))
+
+
+def train_seconds(trainer: Any, batch: TrainBatch, steps: int = 3) -> float:
+    for _ in range(2):
+        trainer.train(batch, nll_loss)
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        trainer.train(batch, nll_loss)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def flops_per_token(path: Path, seq: int) -> float:
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = hidden // heads
+    per_layer = hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden
+    per_layer += 3 * hidden * config.intermediate_size
+    n = layers * per_layer + config.vocab_size * hidden  # the LM head (tied: counted once)
+    return 6 * n + 12 * layers * hidden * seq
+
+
+def throughput(root: Path, peak: float) -> Any:
+    path = model_dir("1.5b", None, root)
+    seq, rows = 2048, 8
+    ids = torch.randint(0, 151_643, (rows, seq), generator=torch.Generator().manual_seed(0))
+    loss_mask = torch.ones(rows, seq)
+    loss_mask[:, 0] = 0
+    batch = TrainBatch(ids, torch.ones_like(ids), loss_mask)
+    fpt = flops_per_token(path, seq)
+    kept = None
+    for backend in ("fsdp2", "megatron"):
+        trainer = build(backend, path, "bfloat16", micro_batch_size=2)
+        seconds = train_seconds(trainer, batch)
+        tokens_s = rows * seq / seconds
+        emit(
+            {
+                "figure": "megatron_train_mfu",
+                "backend": backend,
+                "shape": "1.5b",
+                "seq": seq,
+                "rows": rows,
+                "micro_batch_size": 2,
+                "step_s": round(seconds, 4),
+                "tokens_s": round(tokens_s),
+                "mfu": round(fpt * tokens_s / (peak * 1e12), 4),
+                "peak_tflop_s": round(peak, 1),
+                "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            }
+        )
+        torch.cuda.reset_peak_memory_stats()
+        if backend == "megatron":
+            kept = (trainer, batch)
+        else:
+            release(trainer)
+    return kept
+
+
+def offload(trainer: Any, batch: TrainBatch) -> None:
+    small = batch.select(slice(0, 1)).columns(slice(0, 256))
+    before = trainer.logprobs(small)
+    ids = [id(p) for p in trainer.model.parameters()]
+    baseline = torch.cuda.memory_allocated()
+    rounds = []
+    for _ in range(2):  # the first pins its host memory
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        trainer.offload()
+        off_s = time.perf_counter() - start
+        left = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        trainer.onload()
+        on_s = time.perf_counter() - start
+        rounds.append((off_s, on_s, left))
+    moved = trainer._offload.nbytes
+    h2d, d2h, _ = _copy_seconds(min(moved, 4 * 2**30))  # the ceiling, of a 4 GiB copy at most
+    ceiling_bytes = min(moved, 4 * 2**30)
+    off_s, on_s, left = rounds[-1]
+    emit(
+        {
+            "figure": "megatron_offload",
+            "resident_bytes": baseline,
+            "copied_bytes": moved,
+            "dropped_bytes": sum(trainer._offload.discarded_sizes),
+            "bytes_after_offload": left,
+            "first_offload_s": round(rounds[0][0], 3),
+            "offload_gb_s": round(moved / off_s / 1e9, 2),
+            "onload_gb_s": round(moved / on_s / 1e9, 2),
+            "pinned_d2h_gb_s": round(ceiling_bytes / d2h / 1e9, 2),
+            "pinned_h2d_gb_s": round(ceiling_bytes / h2d / 1e9, 2),
+            "same_objects": ids == [id(p) for p in trainer.model.parameters()],
+            "logprob_diff_after_onload": float((trainer.logprobs(small) - before).abs().max()),
+        }
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--root", default="/tmp/tandem-bench")
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args()
+    root = Path(args.root)
+    kept: list[Any] = []
+
+    def measure() -> None:
+        peak = 2 * 8192**3 / _matmul_seconds(8192) / 1e12
+        kept.append(throughput(root, peak))
+
+    def offload_kept() -> None:
+        if kept and kept[0] is not None:
+            offload(*kept[0])
+
+    steps: list[tuple[str, Any]] = [("parity", lambda: parity(args, root))]
+    if not args.skip_throughput:
+        steps += [("throughput", measure), ("offload", offload_kept)]
+    for name, step in steps:
+        try:
+            step()
+        except Exception as error:  # report and go on: one device run covers every part
+            traceback.print_exc()
+            emit({"figure": f"megatron_{name}", "error": f"{type(error).__name__}: {error}"})
+
+
+if __name__ == "__main__":
+    main()
