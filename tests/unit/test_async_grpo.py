@@ -270,6 +270,27 @@ def test_a_fixed_lag_pipeline_without_state_counts_the_lag_from_its_weights(
     assert [r["data/prompt_digest"] for r in records] == [_digest(source, s) for s in (3, 4, 5)]
 
 
+def test_a_finished_fixed_lag_run_given_more_steps_counts_the_lag_from_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The checkpoint of the last step planned no rollouts for later steps; resumed with more
+    steps, the lag restarts from the checkpoint's weights (staleness 0, then k)."""
+    config = _config(tmp_path, "algorithm.max_staleness=1", "algorithm.async_schedule=fixed_lag")
+    longer = _config(tmp_path, "algorithm.max_staleness=1", "algorithm.async_schedule=fixed_lag")
+    longer.algorithm.num_steps = 7
+    source = make_prompt_source(config.data, DEFAULT_MODEL_DIR, load_reward("exact_match"), 0)
+    with _runtime(config) as runtime:
+        first = RolloutPipeline(runtime, config, source)
+        [first.step(step) for step in range(1, 6)]
+        state = {"step": 5, **first.checkpoint_state()}
+        assert state["pipeline"]["batches"] == []
+        runtime.refit(version=5)
+        resumed = RolloutPipeline(runtime, longer, source, state)
+        records = [resumed.step(step) for step in (6, 7)]
+    assert [r["async/staleness"] for r in records] == [0.0, 1.0]
+    assert records[-1]["async/staleness_count_1"] == 16 * 5
+
+
 def test_max_staleness_needs_split_placement_and_a_correction(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"cluster\.placement=split"):
         _config(tmp_path, "algorithm.max_staleness=1", "cluster.placement=colocated")

@@ -50,6 +50,7 @@ weights it starts with, as a run from the start counts it from version 0.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,6 +63,8 @@ from tandem.config.models import GrpoConfig
 from tandem.contracts import PendingGeneration
 from tandem.data.prompts import PromptSource
 from tandem.generation.base import Rollout
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from tandem.generation.base import SamplingParams
@@ -129,8 +132,9 @@ class RolloutPipeline:
         self._submit_if_allowed()  # the generators go on while the trainers train
         in_flight = (self.next_step - 1 - step) * self._rollouts_per_step
         ages = [step - 1 - r.policy_version for r in groups.rollouts]
-        if self.fixed_lag and set(ages) != {step - 1 - self._required(step)}:
-            raise RuntimeError(f"step {step}: fixed-lag rollouts of staleness {sorted(set(ages))}")
+        versions = {r.policy_version for r in groups.rollouts}
+        if self.fixed_lag and versions != {generation.version}:  # one version, the submitted one
+            raise RuntimeError(f"step {step}: fixed-lag rollouts of versions {sorted(versions)}")
         for age in ages:
             self.histogram[age] += 1
         metrics = train_on_groups(
@@ -204,11 +208,15 @@ class RolloutPipeline:
             self.done[j] = (generation, groups)
         last = self.config.algorithm.num_steps
         missing = [j for j in range(self.next_step, last + 1) if self._required(j) < start]
-        if self.fixed_lag and missing:
-            raise ValueError(
-                f"--resume: the checkpoint of step {start} lacks the rollouts of steps {missing}"
-                " (they need older weights than the checkpoint's)"
+        if self.fixed_lag and missing:  # a run given more steps than its checkpoint planned for
+            log.warning(
+                "the checkpoint of step %d holds no rollouts of steps %s (due from older weights "
+                "than its own): the fixed lag counts from the checkpoint's weights from step %d",
+                start,
+                missing,
+                missing[0],
             )
+            self.first_version = start
 
     @property
     def _rollouts_per_step(self) -> int:
