@@ -319,9 +319,11 @@ def _actor_group(config: GrpoConfig, kind: str, cls: type, kwargs: dict[str, Any
     reward section's call timeout."""
     from tandem.cluster.launch import ProcessSettings
     from tandem.cluster.placement import actor_threads
+    from tandem.cluster.ray_cluster import init_ray
     from tandem.cluster.worker_group import WorkerGroup
 
     cluster = config.cluster
+    init_ray(cluster.address)  # started already by the policy's workers, unless in a tool
     settings = ProcessSettings(actor_threads(cluster), keep_freed_host_memory=True)
     group = WorkerGroup(
         cls,
