@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 
 import tandem
 from tandem.imports import pause_gc, resume_gc
-from tandem.interrupts import exit_status, signals_as_interrupts
+from tandem.interrupts import exit_status, received, signals_as_interrupts
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
 ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
@@ -207,7 +207,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ray_was_up = _ray_is_up()
     try:
         with signals_as_interrupts(f"tandem {args.command}"):
-            func(args)
+            try:
+                func(args)
+            except BaseException as err:  # after a signal, whatever comes of it is the interrupt
+                interrupt = received() or (err if isinstance(err, KeyboardInterrupt) else None)
+                if interrupt is None:
+                    raise
+                status, word = exit_status(interrupt)
+                print(f"tandem {args.command}: {word}", file=sys.stderr)
+                return status
     except WorkerError as err:
         print(f"tandem {args.command}: error: {err}", file=sys.stderr)
         return 1
@@ -220,10 +228,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f": {err.filename}" if err.filename else ""
         print(f"tandem {args.command}: error: {err.strerror}{where}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as interrupt:
-        status, word = exit_status(interrupt)
-        print(f"tandem {args.command}: {word}", file=sys.stderr)
-        return status
     finally:
         resume_gc()  # run_loop resumes it for a run; here for every other way out
         if not ray_was_up and _ray_is_up():  # the Ray this command started, stopped now

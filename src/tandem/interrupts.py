@@ -30,6 +30,17 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Ctrl-C's ``KeyboardInterrupt`` would be."""
 
 
+_received: KeyboardInterrupt | None = None
+"""The interrupt the running ``signals_as_interrupts`` block raised, if any."""
+
+
+def received() -> KeyboardInterrupt | None:
+    """The interrupt raised in the running ``signals_as_interrupts`` block, None without a
+    signal. An exception that reaches the command in its place is the interrupt in a library's
+    words (torch's checkpoint writer turns ``KeyboardInterrupt`` into ``CheckpointException``)."""
+    return _received
+
+
 def exit_status(interrupt: KeyboardInterrupt) -> tuple[int, str]:
     """The exit status and the word for an interrupt: 143 terminated, 130 interrupted."""
     if isinstance(interrupt, Terminated):
@@ -64,16 +75,20 @@ def signals_as_interrupts(label: str = "tandem") -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    global _received
+    _received = None
     done = threading.Event()
     hooks = sys.unraisablehook, threading.excepthook
     signalled = False
 
     def handler(signum: int, _frame: FrameType | None) -> None:
+        global _received
         nonlocal signalled
         if signalled:  # a second Ctrl-C would cut the cleanup half-way; the watchdog bounds it
             return
         signalled = True
         interrupt = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        _received = interrupt
         sys.unraisablehook = _quiet
         threading.excepthook = _quiet
         status, word = exit_status(interrupt)
@@ -86,6 +101,7 @@ def signals_as_interrupts(label: str = "tandem") -> Iterator[None]:
         yield
     finally:
         done.set()
+        _received = None
         for sig, old in previous.items():
             signal.signal(sig, old)
         if not signalled:  # else the process is ending: its last finalisers stay quiet too

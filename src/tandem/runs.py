@@ -16,6 +16,7 @@ from typing import Any
 from tandem.config import DpoConfig, GrpoConfig, SftConfig
 from tandem.config.models import CheckpointConfig, LoggingConfig
 from tandem.files import atomic_dir, sibling
+from tandem.interrupts import received
 from tandem.logging.metrics import read_metrics
 
 COMPLETE_MARKER = "COMPLETE"
@@ -73,6 +74,9 @@ class Checkpoints:
             except BaseException as err:  # DCP's CheckpointException is a BaseException
                 # torch's writers report a full disk in words of their own
                 free = shutil.disk_usage(tmp).free
+                interrupt = received()  # DCP rewords an interrupt inside it, too
+                if interrupt is not None and not isinstance(err, KeyboardInterrupt):
+                    raise interrupt from None
                 if isinstance(err, KeyboardInterrupt | SystemExit) or free >= DISK_FULL_BYTES:
                     raise
                 raise OSError(

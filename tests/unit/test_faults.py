@@ -568,3 +568,32 @@ def test_a_second_ctrl_c_does_not_cut_the_cleanup_short() -> None:
     finally:
         sys.unraisablehook = hook
     assert cleaned
+
+
+class Reworded(BaseException):
+    """What torch's checkpoint writer makes of a KeyboardInterrupt inside it."""
+
+
+class RewordingRuntime:
+    def save_checkpoint(self, path: str) -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        except KeyboardInterrupt:
+            raise Reworded("CheckpointException ranks:dict_keys([0])") from None
+
+
+def test_an_interrupt_a_library_rewords_is_still_an_interrupt(
+    tmp_path: Path, runtime: TrainerRuntime
+) -> None:
+    from tandem.interrupts import signals_as_interrupts
+
+    checkpoints = _two_checkpoints(tmp_path, runtime)
+    hook = sys.unraisablehook
+    try:
+        with signals_as_interrupts(), pytest.raises(KeyboardInterrupt):
+            checkpoints.save(3, RewordingRuntime(), {})
+    finally:
+        sys.unraisablehook = hook
+    assert [p.name for p in checkpoints.complete()] == ["step_2", "step_1"]
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
