@@ -141,12 +141,15 @@ class Checkpoints:
 
     def _prune(self) -> None:
         """Drops all but the newest ``keep`` complete checkpoints; each is renamed to a hidden
-        name first, so a prune cut off half-way never leaves a ``step_N`` with files missing."""
+        name first, so a prune cut off half-way never leaves a ``step_N`` with files missing.
+        What a killed run left half-written or half-deleted (hidden names) goes too."""
         for old in self.complete()[self.config.keep :]:
             doomed = sibling(old, ".del", hidden=True)
             shutil.rmtree(doomed, ignore_errors=True)
             os.replace(old, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
+        for leftover in self.root.glob(".step_*"):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _step_number(path: Path) -> int:

@@ -7,6 +7,7 @@ and only complete checkpoints (docs/errors.md)."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -268,3 +269,43 @@ def test_a_disk_that_fills_during_a_checkpoint(tmp_path: Path) -> None:
         assert not list((disk / "run" / "checkpoints").glob("*step_*"))
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ctrl_c_at_a_random_moment_of_a_run(seed: int, tmp_path: Path) -> None:
+    """Steps, evaluations and checkpoints follow each other; the signal lands in any of them."""
+    args = _run_args(tmp_path, "algorithm.num_steps=200", "algorithm.eval_every=2")
+    proc = _start(tmp_path, [*args, "checkpoint.every=1"])
+    _wait_for(proc, _steps_logged(tmp_path, 1))
+    time.sleep(random.Random(seed).uniform(0.0, 4.0))
+    children = _descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, err, seconds = _finish(proc, timeout=30)
+    _assert_interrupted(code, err, seconds, 130, "interrupted")
+    assert not _left_behind(children)
+    _assert_only_complete_checkpoints(tmp_path / "runs" / "run")
+
+
+def test_kill_9_at_a_random_moment_then_resume(tmp_path: Path) -> None:
+    """No cleanup at all: what is on disk is whatever the kill found; --resume goes on from
+    the newest complete checkpoint and the next save clears the half-written one."""
+    proc = _start(tmp_path, [*_run_args(tmp_path, "algorithm.num_steps=200"), "checkpoint.every=1"])
+    _wait_for(proc, _steps_logged(tmp_path, 2))
+    time.sleep(random.Random(7).uniform(0.0, 2.0))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    from tandem.config.models import CheckpointConfig
+    from tandem.runs import Checkpoints
+
+    run = tmp_path / "runs" / "run"
+    latest = Checkpoints(run, CheckpointConfig()).latest()
+    assert latest is not None
+    last = int(latest.name.removeprefix("step_"))
+    args = [*_run_args(tmp_path, f"algorithm.num_steps={last + 1}"), "--resume"]
+    code, err, _ = _finish(_start(tmp_path, args), timeout=300)
+    assert code == 0, err[-3000:]
+    import json
+
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").open()]
+    assert steps[-1] == last + 1 and steps == sorted(set(steps)), steps
+    _assert_only_complete_checkpoints(run)
