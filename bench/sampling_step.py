@@ -15,6 +15,7 @@ import time
 import torch
 from ceilings import emit
 
+from tandem.generation import hf_generator
 from tandem.generation.base import SamplingParams
 from tandem.generation.hf_generator import sample_keys, sample_tokens
 
@@ -30,7 +31,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--block", type=int, default=None, help="hf_generator.SAMPLE_BLOCK")
     args = parser.parse_args()
+    if args.block:
+        hf_generator.SAMPLE_BLOCK = args.block
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     logits = torch.randn(args.rows, args.vocab, device=device).bfloat16()
     keys = sample_keys(list(range(args.rows)), device)
@@ -52,6 +56,7 @@ def main() -> None:
                 "figure": "sampling_step_s",
                 "way": name,
                 "rows": args.rows,
+                "block": hf_generator.SAMPLE_BLOCK,
                 "vocab": args.vocab,
                 "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                 "median_s": round(statistics.median(times[1:]), 5),

@@ -1,0 +1,105 @@
+"""Where the train phase's time goes at real vocabulary: PolicyTrainer.train on a random model
+of a real Qwen2.5 shape (vocabulary 151,936), ``--sequences`` x ``--length`` tokens, under a
+few policy settings (fp32 masters + bf16 compute via FSDP2 with activation checkpointing, as the
+end-to-end cells run; without checkpointing; bf16 parameters on the plain module). One JSON line
+per setting (median step seconds, MFU against the bf16 matmul rate of the same run) and, with
+``--profile DIR``, the profiler's table of one step per setting.
+
+    PYTHONPATH=src:bench python bench/train_phase_profile.py [--shape 0.5b] [--profile DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from ceilings import emit, measure_ceilings
+from real_scale_figures import model_sizes
+
+from tandem.algorithms.losses import nll_loss
+from tandem.assets.real_shapes import real_shape_dir, write_real_shape
+from tandem.config.models import PolicyConfig
+from tandem.data.batch import TrainBatch
+from tandem.trainer import PolicyTrainer
+
+SETTINGS = {
+    "fsdp_mp_ac": dict(mixed_precision=True, activation_checkpointing=True),
+    "fsdp_mp": dict(mixed_precision=True, activation_checkpointing=False),
+    "bf16_plain_ac": dict(dtype="bfloat16", activation_checkpointing=True),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", default="0.5b")
+    parser.add_argument("--sequences", type=int, default=32)
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS))
+    parser.add_argument("--profile", default=None)
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers (CPU dry runs)")
+    args = parser.parse_args()
+    root = Path(tempfile.gettempdir()) / "tandem-e2e"
+    cuda = torch.cuda.is_available()
+    name = real_shape_dir(args.shape, layers=args.layers)
+    path = write_real_shape(
+        root / name, args.shape, num_layers=args.layers, device="cuda" if cuda else "cpu"
+    )
+    peak = measure_ceilings()["bf16_matmul_tflop_s"] * 1e12 if cuda else float("nan")
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    sizes = model_sizes(path)
+    tokens = args.sequences * args.length
+    flops = tokens * (
+        6 * sizes["matmul_params"] + 6 * sizes["layers"] * sizes["hidden"] * args.length
+    )
+    ids = torch.randint(0, 151_000, (args.sequences, args.length))
+    mask = torch.ones(args.sequences, args.length)
+    mask[:, :32] = 0  # a prompt
+    batch = TrainBatch(ids, torch.ones_like(ids), mask)
+    for name in args.settings:
+        config = PolicyConfig(model_path=path, micro_batch_size=8, **SETTINGS[name])
+        trainer = PolicyTrainer(config)
+        trainer.train(batch, nll_loss)
+        times = []
+        for _ in range(args.steps):
+            sync()
+            start = time.perf_counter()
+            trainer.train(batch, nll_loss)
+            sync()
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        emit(
+            {
+                "figure": "train_phase",
+                "shape": args.shape,
+                "setting": name,
+                "tokens": tokens,
+                "step_s": round(seconds, 3),
+                "mfu": round(flops / seconds / peak, 3),
+                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+            }
+        )
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                trainer.train(batch, nll_loss)
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20)
+            Path(args.profile, f"{name}.txt").write_text(table)
+        del trainer
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
