@@ -144,3 +144,38 @@ def test_merged_refits_need_no_adapter_support() -> None:
     assert config.generation.max_lora_rank is None
     config = GrpoConfig.model_validate({"policy": {"lora": {"rank": 24}}})
     assert config.generation.max_lora_rank == 24
+
+
+def _fsdp_rank(rank: int, world_size: int, out: str) -> None:
+    """Trains the LoRA policy sharded over ``world_size`` gloo ranks (each its half of the
+    batch: the gradients agree with one rank's to float rounding, which Adam scales by up to
+    lr / eps = 20, hence 1e-5 below); rank 0 saves both refit streams and a checkpoint."""
+    trainer = PolicyTrainer(lora_policy(), rank=rank, world_size=world_size)
+    assert trainer.uses_fsdp
+    batch = train_batch()
+    shard = batch.select(slice(rank * 2, rank * 2 + 2))
+    for _ in range(2):
+        trainer.train(shard, nll_loss)
+    adapter = dict(trainer.iter_adapter())
+    merged = dict(trainer.iter_weights())
+    trainer.save_checkpoint(Path(out) / "ckpt")
+    if rank == 0:
+        torch.save({"adapter": adapter, "merged": merged}, Path(out) / "streams.pt")
+
+
+def test_fsdp2_shards_the_wrapped_model_and_trains_like_one_rank(tmp_path: Path) -> None:
+    from test_trainer_support import spawn
+
+    spawn(_fsdp_rank, 2, str(tmp_path))
+    sharded = torch.load(tmp_path / "streams.pt", weights_only=True)
+    one = PolicyTrainer(lora_policy())
+    for _ in range(2):
+        one.train(train_batch(), nll_loss)
+    for name, tensor in one.iter_adapter():
+        assert torch.allclose(sharded["adapter"][name], tensor, atol=1e-5), name
+    for name, tensor in one.iter_weights():
+        assert torch.allclose(sharded["merged"][name], tensor, atol=1e-5), name
+    resumed = PolicyTrainer(lora_policy())  # a 2-rank checkpoint resumes on one rank
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    for (name, x), (_, y) in zip(one.iter_adapter(), resumed.iter_adapter(), strict=True):
+        assert torch.allclose(x, y, atol=1e-5), name

@@ -28,6 +28,9 @@ ADAPTER = "default"
 _WRAPPED = "_checkpoint_wrapped_module."
 """The activation-checkpoint wrapper's attribute, left out of module names."""
 
+INIT_SEED = 0
+"""Seed of the adapters' initialisation (A; B starts at zero)."""
+
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -64,7 +67,11 @@ def wrap_lora(lm: nn.Module, config: LoraConfig) -> Any:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(lm, peft_config, adapter_name=ADAPTER)
+    # The same A on every rank (FSDP2 shards each rank's own copy) and in every run: seeded,
+    # without touching the caller's random state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(INIT_SEED)
+        return get_peft_model(lm, peft_config, adapter_name=ADAPTER)
 
 
 def lora_layers(lm: nn.Module) -> dict[str, Any]:
