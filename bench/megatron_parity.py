@@ -121,7 +121,9 @@ def megatron_checks(trainer: Any, path: Path, batch: TrainBatch) -> dict[str, An
         checks["checkpoint_logprob_diff"] = float((trainer.logprobs(batch) - before).abs().max())
         checks["checkpoint_extra"] = extra
         trainer.export_hf(Path(tmp) / "export")
-        lm = transformers.AutoModelForCausalLM.from_pretrained(str(Path(tmp) / "export"))
+        lm = transformers.AutoModelForCausalLM.from_pretrained(
+            str(Path(tmp) / "export"), dtype=torch.float32
+        )
         hf = {n: p.float() for n, p in lm.state_dict().items()}
         ours = {n: t.float().cpu() for n, t in trainer.iter_weights()}
         checks["export_max_diff"] = max(float((hf[n] - t).abs().max()) for n, t in ours.items())
@@ -188,6 +190,8 @@ def throughput(root: Path, peak: float) -> Any:
     fpt = flops_per_token(path, seq)
     kept = None
     for backend in ("fsdp2", "megatron"):
+        gc.collect()
+        before_build = torch.cuda.memory_allocated()
         trainer = build(backend, path, "bfloat16", micro_batch_size=2)
         seconds = train_seconds(trainer, batch)
         tokens_s = rows * seq / seconds
@@ -208,13 +212,28 @@ def throughput(root: Path, peak: float) -> Any:
         )
         torch.cuda.reset_peak_memory_stats()
         if backend == "megatron":
-            kept = (trainer, batch)
+            kept = (trainer, batch, before_build)
         else:
             release(trainer)
     return kept
 
 
-def offload(trainer: Any, batch: TrainBatch) -> None:
+def leftovers(limit: int = 5) -> list[str]:
+    """The largest CUDA tensors still alive (shape, dtype, storage bytes)."""
+    found = {}
+    for obj in gc.get_objects():
+        try:
+            if torch.is_tensor(obj) and obj.is_cuda and obj.untyped_storage().nbytes():
+                storage = obj.untyped_storage()
+                found[storage.data_ptr()] = (storage.nbytes(), tuple(obj.shape), str(obj.dtype))
+        except Exception:  # objects gc holds that refuse inspection
+            continue
+    biggest = sorted(found.values(), reverse=True)[:limit]
+    return [f"{shape} {dtype} {nbytes} B" for nbytes, shape, dtype in biggest]
+
+
+def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
+    """``before_build``: bytes allocated before the trainer was built (other objects')."""
     small = batch.select(slice(0, 1)).columns(slice(0, 256))
     before = trainer.logprobs(small)
     ids = [id(p) for p in trainer.model.parameters()]
@@ -241,6 +260,8 @@ def offload(trainer: Any, batch: TrainBatch) -> None:
             "copied_bytes": moved,
             "dropped_bytes": sum(trainer._offload.discarded_sizes),
             "bytes_after_offload": left,
+            "bytes_after_offload_above_before_build": left - before_build,
+            "largest_left": leftovers() if left > before_build else [],
             "first_offload_s": round(rounds[0][0], 3),
             "offload_gb_s": round(moved / off_s / 1e9, 2),
             "onload_gb_s": round(moved / on_s / 1e9, 2),
@@ -269,8 +290,19 @@ def main() -> None:
         if kept and kept[0] is not None:
             offload(*kept[0])
 
+    def offload_small() -> None:  # without the 1.5B run: offload the parity model's trainer
+        path = model_dir("0.5b", args.layers, root)
+        gc.collect()
+        before_build = torch.cuda.memory_allocated()
+        trainer = build("megatron", path, "bfloat16")
+        batch = parity_batch(151_936)
+        trainer.train(batch, nll_loss)  # the optimizer state exists after a step
+        offload(trainer, batch, before_build)
+
     steps: list[tuple[str, Any]] = [("parity", lambda: parity(args, root))]
-    if not args.skip_throughput:
+    if args.skip_throughput:
+        steps.append(("offload", offload_small))
+    else:
         steps += [("throughput", measure), ("offload", offload_kept)]
     for name, step in steps:
         try:
