@@ -118,3 +118,32 @@ def test_preflight_checks_the_model_and_the_split() -> None:
         check_megatron_model(split, hf)
     with pytest.raises(ValueError, match=r"cannot convert .*'gemma'.*policy\.backend=fsdp2"):
         check_megatron_model(PolicyConfig(backend="megatron"), hf | {"model_type": "gemma"})
+
+
+def test_data_parallel_ranks_follow_megatrons_order() -> None:
+    from tandem.config.megatron import data_parallel_ranks
+
+    # 8 ranks, tp 2, pp 2: tp fastest, then dp, pp outermost (Megatron's "tp-cp-ep-dp-pp")
+    assert data_parallel_ranks(8, 2, 2) == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert data_parallel_ranks(4, 1, 1) == [0, 1, 2, 3]
+    assert data_parallel_ranks(4, 4, 1) == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="does not divide"):
+        data_parallel_ranks(6, 4, 1)
+
+
+def test_megatron_layout_that_does_not_divide_the_trainers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem import machine
+    from tandem.cluster.spec import RuntimeSpec
+    from tandem.config.models import (
+        ClusterConfig,
+        GenerationConfig,
+        MegatronConfig,
+        PolicyConfig,
+        RefitConfig,
+    )
+
+    monkeypatch.setattr(machine, "nvidia_devices", lambda: ["/dev/nvidia0"])
+    policy = PolicyConfig(backend="megatron", megatron=MegatronConfig(tensor_parallel_size=2))
+    spec = RuntimeSpec(ClusterConfig(num_trainers=3), policy, GenerationConfig(), RefitConfig())
+    with pytest.raises(ValueError, match=r"cluster.num_trainers=3 does not divide"):
+        spec.resolve()

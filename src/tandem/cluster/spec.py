@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 
 from tandem import machine
+from tandem.config.megatron import data_parallel_ranks
 from tandem.config.models import ClusterConfig, GenerationConfig, PolicyConfig, RefitConfig
 
 
@@ -34,10 +35,8 @@ class RuntimeSpec:
         empty), else ``ray``; an explicit ``in_process`` that does not fit is an error naming
         every misfit, and so is policy.backend=megatron with no GPU to reach
         (``machine.megatron_misfit``)."""
-        if self.policy.backend == "megatron" and (
-            misfit := machine.megatron_misfit(self.cluster.address)
-        ):
-            raise ValueError(misfit)
+        if self.policy.backend == "megatron":
+            self._check_megatron()
         shared = (os.environ.get("TANDEM_ENV_MODE") or self.cluster.env_mode) == "shared"
         backend = machine.generator_backend(self.generation, self.cluster.address, shared)
         generation = self.generation.model_copy(update={"backend": backend})
@@ -50,6 +49,17 @@ class RuntimeSpec:
         chosen = "ray" if misfits else "in_process"
         return dataclasses.replace(
             spec, cluster=spec.cluster.model_copy(update={"runtime": chosen})
+        )
+
+    def _check_megatron(self) -> None:
+        """policy.backend=megatron needs a GPU to reach and a trainer count that the tensor x
+        pipeline parallel layout divides (ValueError naming the fix otherwise)."""
+        misfit = machine.megatron_misfit(self.cluster.address)
+        if misfit:
+            raise ValueError(misfit)
+        layout = self.policy.megatron
+        data_parallel_ranks(
+            self.cluster.num_trainers, layout.tensor_parallel_size, layout.pipeline_parallel_size
         )
 
 

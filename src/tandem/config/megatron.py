@@ -70,6 +70,21 @@ class MegatronConfig(BaseModel):
     tensor_parallel_size rows; the padded logits are masked out of every log-softmax."""
 
 
+def data_parallel_ranks(world_size: int, tensor_parallel: int, pipeline_parallel: int) -> list[int]:
+    """The data-parallel rank of every trainer rank under Megatron's default order
+    (tensor-parallel ranks adjacent, then data-parallel, pipeline stages outermost): the ranks
+    that share one entry take the same shard of a batch, and return the same logprobs."""
+    model_parallel = tensor_parallel * pipeline_parallel
+    if world_size % model_parallel:
+        raise ValueError(
+            f"cluster.num_trainers={world_size} does not divide into "
+            f"policy.megatron.tensor_parallel_size x pipeline_parallel_size = "
+            f"{tensor_parallel} x {pipeline_parallel}: set num_trainers to a multiple of it"
+        )
+    data_parallel = world_size // model_parallel
+    return [(rank // tensor_parallel) % data_parallel for rank in range(world_size)]
+
+
 def check_megatron_policy(policy: Any) -> None:
     """``policy`` (a ``PolicyConfig``; not imported, ``config.models`` imports this module) with
     backend=megatron and a setting only the FSDP2 trainer has is an error naming the setting."""
