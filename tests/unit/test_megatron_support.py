@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from tandem.trainer.storage_offload import StorageOffload
+from tandem.trainer.storage_offload import StorageOffload, attribute_tensors
 from tandem.trainer.vocab_parallel import token_logprobs
 
 
@@ -114,3 +114,16 @@ def test_storage_offload_discards_gradient_buffers_and_reuses_host_memory() -> N
     torch.testing.assert_close(params, torch.arange(6.0))
     again = StorageOffload([params], torch.device("cpu"), previous=first)
     assert again.host is first.host
+
+
+def test_attribute_tensors_finds_flags_and_shard_lists() -> None:
+    class Wrapper:
+        def __init__(self) -> None:
+            self.flag = torch.zeros(1)
+            self.groups = [[torch.ones(2), torch.ones(3)], [torch.ones(4)]]
+            self.deeper = [[[torch.ones(5)]]]  # past two levels: not searched
+            self.name = "adam"
+
+    found = attribute_tensors(Wrapper())
+    assert sorted(t.numel() for t in found) == [1, 2, 3, 4]
+    assert attribute_tensors(None) == []

@@ -45,7 +45,7 @@ from tandem.trainer.megatron_weights import (
 )
 from tandem.trainer.parallelize import init_distributed
 from tandem.trainer.schedule import lr_factor
-from tandem.trainer.storage_offload import StorageOffload
+from tandem.trainer.storage_offload import StorageOffload, attribute_tensors
 from tandem.trainer.vocab_parallel import token_logprobs
 
 
@@ -542,6 +542,10 @@ class MegatronTrainer:
             kept += [p for group in opt.param_groups for p in group["params"]]
             for per_param in opt.state.values():
                 kept += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+        # what Megatron's wrappers hold besides (found-inf flags, shard lists, buffers' views)
+        chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        for owner in [self.ddp, *chained] if self.optimizer is not None else []:
+            kept += attribute_tensors(owner)
         return kept, dropped
 
     def pin_offload_memory(self) -> None:

@@ -12,8 +12,26 @@ needs to know. Each storage is copied once, however many tensors view it.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
+
+
+def attribute_tensors(owner: Any) -> list[torch.Tensor]:
+    """Tensors ``owner`` holds as attributes, directly or in lists (two levels deep): what an
+    optimizer wrapper keeps beside its parameters (flags, shard lists)."""
+    found: list[torch.Tensor] = []
+
+    def walk(value: Any, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)) and depth < 2:
+            for item in value:
+                walk(item, depth + 1)
+
+    for value in vars(owner).values() if owner is not None else ():
+        walk(value, 0)
+    return found
 
 
 def _by_storage(tensors: Iterable[torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
