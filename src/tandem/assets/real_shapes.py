@@ -179,7 +179,7 @@ def real_config(shape: str, num_layers: int | None = None) -> Any:
     config = transformers.Qwen2Config(
         vocab_size=QWEN25_VOCAB_SIZE,
         max_position_embeddings=32768,
-        rope_theta=1_000_000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         rms_norm_eps=1e-6,
         use_sliding_window=False,
         **(QWEN25_SHAPES[shape] | layers),

@@ -156,8 +156,8 @@ def sample_tokens(
     noise over the vocabulary. Rows go through fp32 a block at a time (``SAMPLE_BLOCK``), so on a
     CPU a 151,936-token vocabulary costs no fp32 copy of the batch's logits."""
     size, vocab = logits.shape
-    block = SAMPLE_BLOCK_CUDA if logits.is_cuda else SAMPLE_BLOCK
-    rows = max(1, block // vocab)
+    limit = SAMPLE_BLOCK_CUDA if logits.is_cuda else SAMPLE_BLOCK
+    rows = max(1, limit // vocab)
     uniform = None if params.temperature == 0 else uniform_draws(keys, step)
     plain = params.temperature == 1 and params.top_p >= 1 and not 0 < params.top_k < vocab
     tokens, logprobs = [], []
