@@ -229,6 +229,7 @@ RESUMABLE = (
     "algorithm.eval_every",
     "data.num_eval_prompts",
     "data.num_eval_pairs",
+    "data.reward",
     "data.num_reward_workers",
     "data.reward_timeout_s",
     "data.invalid_reward",
@@ -249,7 +250,8 @@ RESUMABLE = (
 )
 """Keys (a trailing dot: every key of a section) that ``--resume`` accepts with a value other
 than the saved one: how long, how often, where and on what the run goes on, not what it
-trains. docs/errors.md lists them."""
+trains; and the reward, whose code changes under an unchanged key anyway (a run stopped by a
+reward's bug goes on with the fixed one). docs/errors.md lists them."""
 
 
 def check_resumed_config(config: GrpoConfig | SftConfig | DpoConfig, run_dir: Path) -> None:
