@@ -3,12 +3,9 @@ to the generators: which engines take adapters, the rank they are built for."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
-
-if TYPE_CHECKING:
-    from tandem.config.models import GenerationConfig, PolicyConfig, RefitConfig
 
 LINEAR_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 """Every linear projection of a Llama / Qwen2 / Mistral decoder layer (the LM head excluded)."""
@@ -48,17 +45,32 @@ def vllm_lora_rank(rank: int) -> int:
     )
 
 
+class Generation(Protocol):
+    """What the check reads of the ``generation`` section (``config.models.GenerationConfig``;
+    named by its fields here, so this module needs nothing of ``models``)."""
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def precision(self) -> str: ...
+
+    @property
+    def max_lora_rank(self) -> int | None: ...
+
+    def model_copy(self, *, update: Any = None, deep: bool = False) -> Any: ...
+
+
 def check_lora_generation(
-    policy: PolicyConfig,
-    generation: GenerationConfig,
-    refit: RefitConfig | None,
+    lora: LoraConfig | None,
+    generation: Generation,
+    mode: str = "adapter",
     in_flight_refit: bool = False,
-) -> GenerationConfig:
-    """With ``policy.lora`` and adapter refits (``refit.lora=adapter``), the generators must take
-    adapters: raises ValueError naming the fix where they cannot. Returns ``generation`` with
-    ``max_lora_rank`` (the rank the engine is built for) set when it was unset (a copy)."""
-    lora = policy.lora
-    mode = "adapter" if refit is None else refit.lora
+) -> Any:
+    """With ``policy.lora`` and adapter refits (``mode``: ``refit.lora``, adapter where a run
+    has no refit section), the generators must take adapters: raises ValueError naming the fix
+    where they cannot. Returns ``generation`` with ``max_lora_rank`` (the rank the engine is
+    built for) set when it was unset (a copy)."""
     if lora is None or mode != "adapter":
         return generation
     if generation.precision == "fp8":

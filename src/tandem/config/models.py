@@ -507,7 +507,9 @@ class GrpoConfig(Section):
     @model_validator(mode="after")
     def _lora_generators(self) -> GrpoConfig:
         in_flight = self.algorithm.refit_mode == "in_flight"
-        self.generation = check_lora_generation(self.policy, self.generation, self.refit, in_flight)
+        self.generation = check_lora_generation(
+            self.policy.lora, self.generation, self.refit.lora, in_flight
+        )
         return self
 
 
@@ -538,7 +540,7 @@ class SftConfig(Section):
 
     @model_validator(mode="after")
     def _lora_generators(self) -> SftConfig:
-        self.generation = check_lora_generation(self.policy, self.generation, None)
+        self.generation = check_lora_generation(self.policy.lora, self.generation)
         return self
 
 
@@ -604,5 +606,5 @@ class DpoConfig(Section):
 
     @model_validator(mode="after")
     def _lora_generators(self) -> DpoConfig:
-        self.generation = check_lora_generation(self.policy, self.generation, None)
+        self.generation = check_lora_generation(self.policy.lora, self.generation)
         return self
