@@ -55,7 +55,8 @@ def workers(spec: RuntimeSpec, model_path: Path) -> Iterator[tuple[Runtime, Any]
     another, its processes die with that thread."""
     from tandem.data.prompts import load_tokenizer
 
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
         launch = pool.submit(importlib.import_module, "tandem.cluster.launch")
         tokenizer = pool.submit(load_tokenizer, model_path)
         if spec.cluster.runtime == "ray":
@@ -64,8 +65,13 @@ def workers(spec: RuntimeSpec, model_path: Path) -> Iterator[tuple[Runtime, Any]
             init_ray(spec.cluster.address)
         else:  # the workers import transformers in this thread: not while that one does (its
             tokenizer.result()  # lazy module is not safe to import from two threads at once)
-        with launch.result().start_runtime(spec) as runtime:
-            yield runtime, tokenizer.result()
+        runtime = launch.result().start_runtime(spec)
+    except BaseException:
+        # a Ctrl-C during the start does not wait for the thread's imports to end
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    with runtime, pool:
+        yield runtime, tokenizer.result()
 
 
 class DriverState(Protocol):
