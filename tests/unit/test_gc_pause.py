@@ -69,9 +69,11 @@ def test_the_cli_starts_a_command_with_the_collector_off(monkeypatch: pytest.Mon
     assert gc.isenabled()  # back on however the command ended
 
 
-def test_the_loop_resumes_the_collector(tmp_path: Path) -> None:
+def test_the_run_resumes_the_collector(tmp_path: Path) -> None:
+    """The start (imports, workers) runs without the collector; the steps run with it: the
+    run folder opens with it on again."""
     from tandem.config import GrpoConfig, load_config
-    from tandem.driver import run_loop
+    from tandem.driver import open_run
 
     overrides = [f"logging.run_dir={tmp_path}", "logging.tensorboard=false"]
     overrides += [
@@ -80,15 +82,15 @@ def test_the_loop_resumes_the_collector(tmp_path: Path) -> None:
         "checkpoint.export_hf=false",
     ]
     config = load_config(GrpoConfig, None, overrides)
-    seen: list[bool] = []
 
-    def step(step: int) -> dict[str, float]:
-        seen.append(gc.isenabled())
-        return {"loss": 0.0}
+    class Workers:  # what open_run asks of a runtime that is not resumed or exported
+        where = "nowhere"
 
     pause_gc()
-    run_loop(config, "grpo", None, 2, 0, step, dict, resume=False)
-    assert seen == [True, True]
+    with open_run(config, tmp_path / "run", False, Workers()) as run:  # type: ignore[arg-type]
+        assert gc.isenabled()
+        run.log(1, {"loss": 0.0})
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("loss") == 1
 
 
 @pytest.mark.parametrize("how", ["pause", "without_gc"])
