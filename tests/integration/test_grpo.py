@@ -60,6 +60,8 @@ def final_weights(run_dir: Path, name: str, tmp: Path) -> dict[str, torch.Tensor
 
 
 def test_resume_reproduces_an_uninterrupted_run(ray_cluster, tmp_path: Path) -> None:
+    """In this process (the CPU default); kill -9 and --resume on Ray actors: test_actor_death,
+    test_async_grpo_resume."""
     straight = run_grpo(small_config(tmp_path, "straight", "algorithm.num_steps=4"))
     run_grpo(small_config(tmp_path, "resumed", "algorithm.num_steps=2"))
     resumed = run_grpo(small_config(tmp_path, "resumed", "algorithm.num_steps=4"), resume=True)
