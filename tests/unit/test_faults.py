@@ -301,8 +301,11 @@ def test_a_reward_that_hangs_or_dies_ends_within_its_bound(
 def test_ctrl_c_while_rewards_score_leaves_no_worker_and_no_traceback(tmp_path: Path) -> None:
     """A terminal's Ctrl-C reaches the whole process group: the workers too."""
     _write(tmp_path / "user_reward.py", HANG)
+    # a shell starts a command with Ctrl-C's default (the suite's process may have inherited
+    # an ignored SIGINT, which a child keeps across exec)
     code = textwrap.dedent("""
-        import multiprocessing
+        import multiprocessing, signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from tandem.rewards.scorer import RewardScorer
         try:
             with RewardScorer("user_reward:score", 2, 60.0) as scorer:
