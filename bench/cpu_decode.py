@@ -33,12 +33,12 @@ from typing import Any
 from ceilings import emit
 from e2e_cpu import WORKLOADS as E2E_WORKLOADS
 
-from tandem.assets import QWEN2_SHAPES
+from tandem.assets.real_shapes import QWEN25_SHAPES
 from tandem.generation.base import Generator
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     "long": {"shape": E2E_WORKLOADS["long"]["model"], "prompts": 8, "n": 8, "tokens": 128},
-    "0.5b": {"shape": QWEN2_SHAPES["0.5b"], "prompts": 4, "n": 8, "tokens": 64},
+    "0.5b": {"shape": QWEN25_SHAPES["0.5b"], "prompts": 4, "n": 8, "tokens": 64},
 }
 VARIANTS = ("hf_packed", "hf_plain", "vllm")
 

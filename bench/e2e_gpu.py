@@ -42,7 +42,7 @@ import torch
 from ceilings import emit, measure_ceilings
 from real_scale_figures import scale_figures
 
-from tandem.assets import QWEN2_SHAPES, write_random_qwen2
+from tandem.assets import write_random_qwen2
 from tandem.assets.real_shapes import QWEN25_SHAPES, real_shape_dir, write_real_shape
 
 PER_STEP = (
@@ -268,11 +268,11 @@ def model_dir(shape: str, args: argparse.Namespace, root: Path, cuda: bool) -> P
     if args.real_vocab:
         name = real_shape_dir(shape, args.mean_length, args.layers)
         return write_real_shape(root / name, shape, args.mean_length, args.layers, device=device)
-    if shape not in QWEN2_SHAPES:
+    if shape not in QWEN25_SHAPES:
         raise SystemExit(
             f"--shapes {shape} needs --real-vocab (the embedded vocabulary has 0.5b, 1.5b)"
         )
-    return write_random_qwen2(root / f"qwen2-{shape}", QWEN2_SHAPES[shape], device=device)
+    return write_random_qwen2(root / f"qwen2-{shape}", QWEN25_SHAPES[shape], device=device)
 
 
 if __name__ == "__main__":

@@ -20,21 +20,22 @@ from pathlib import Path
 import torch
 from ceilings import emit
 
-from tandem.assets import QWEN2_SHAPES, write_random_qwen2
+from tandem.assets import write_random_qwen2
+from tandem.assets.real_shapes import QWEN25_SHAPES
 from tandem.generation import SamplingParams
 from tandem.generation.hf_generator import HfGenerator
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shape", default="0.5b", choices=QWEN2_SHAPES)
+    parser.add_argument("--shape", default="0.5b", choices=QWEN25_SHAPES)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     path = Path(tempfile.gettempdir()) / f"hfgen-qwen2-{args.shape}"
-    write_random_qwen2(path, QWEN2_SHAPES[args.shape], device="cuda")
+    write_random_qwen2(path, QWEN25_SHAPES[args.shape], device="cuda")
     generator = HfGenerator(path, device="cuda:0", dtype="bfloat16")
     texts = [f"{a}+{b}=" for a, b in zip(range(11, 99, 3), range(7, 95, 3), strict=False)]
     prompts = [generator.tokenizer.encode(t) for t in texts][: args.prompts]

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.assets import QWEN2_SHAPES, write_random_qwen2
+from tandem.assets import write_random_qwen2
+from tandem.assets.real_shapes import QWEN25_SHAPES
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,7 +42,7 @@ def digit_fraction(prompt: str, response: str, answer: str) -> float:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("qwen2-0.5b") / "model"
-    return write_random_qwen2(path, QWEN2_SHAPES["0.5b"], device="cuda")
+    return write_random_qwen2(path, QWEN25_SHAPES["0.5b"], device="cuda")
 
 
 def run(model: Path, run_dir: Path, name: str, *overrides: str, resume: bool = False) -> list:

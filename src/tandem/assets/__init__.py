@@ -11,24 +11,6 @@ ASSETS_DIR = Path(__file__).parent
 DEFAULT_MODEL_DIR = ASSETS_DIR / "tiny-qwen2"
 """The embedded default model (Hugging Face folder, warm-started on the arithmetic task)."""
 
-QWEN2_SHAPES: dict[str, dict[str, int]] = {
-    "0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-    ),
-    "1.5b": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-    ),
-}
-"""Qwen2.5-0.5B's and -1.5B's layer shapes (their vocabulary is not the embedded tokenizer's)."""
-
 
 def write_random_qwen2(
     path: Path, shape: dict[str, Any], device: str = "cpu", seed: int = 0
