@@ -23,30 +23,9 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
-EOS_TOKEN = "<|endoftext|>"
-# The split regex of transformers' Qwen2Tokenizer: matching it keeps AutoTokenizer (which
-# rebuilds the pipeline for qwen2 folders) and the raw tokenizer.json in agreement.
-QWEN2_SPLIT_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
-    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+from tandem.assets.real_shapes import EOS_TOKEN, QWEN2_SPLIT_REGEX, byte_to_unicode
+
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src" / "tandem" / "assets" / "tiny-qwen2"
-
-
-def byte_to_unicode() -> dict[int, str]:
-    """The printable-character alias of each byte used by byte-level BPE (GPT-2's scheme)."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    mapping = {b: chr(b) for b in printable}
-    shift = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + shift)
-            shift += 1
-    return mapping
 
 
 def build_tokenizer() -> Tokenizer:
