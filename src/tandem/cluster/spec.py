@@ -5,11 +5,11 @@ both before Ray starts and torch imports."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from importlib.util import find_spec
 
 from tandem import machine
+from tandem.cluster.envs import env_mode
 from tandem.config.megatron import data_parallel_ranks
 from tandem.config.models import ClusterConfig, GenerationConfig, PolicyConfig, RefitConfig
 
@@ -37,7 +37,7 @@ class RuntimeSpec:
         (``machine.megatron_misfit``)."""
         if self.policy.backend == "megatron":
             self._check_megatron()
-        shared = (os.environ.get("TANDEM_ENV_MODE") or self.cluster.env_mode) == "shared"
+        shared = env_mode(self.cluster.env_mode) == "shared"  # $TANDEM_ENV_MODE first
         backend = machine.generator_backend(self.generation, self.cluster.address, shared)
         generation = self.generation.model_copy(update={"backend": backend})
         spec = dataclasses.replace(self, generation=generation)
