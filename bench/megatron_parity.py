@@ -91,8 +91,13 @@ def masked_max(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float(((a - b).abs() * mask).max())
 
 
-def run_one(backend: str, path: Path, dtype: str, batch: TrainBatch) -> dict[str, Any]:
-    trainer = build(backend, path, dtype)
+def masked_mean(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    """The logprob-parity alarm's measure (``gen/logprob_mismatch``): mean over loss tokens."""
+    return float(((a - b).abs() * mask).sum() / mask.sum())
+
+
+def run_one(backend: str, path: Path, dtype: str, batch: TrainBatch, **extra: Any) -> dict:
+    trainer = build(backend, path, dtype, **extra)
     out: dict[str, Any] = {}
     out["logprobs"], out["entropy"] = trainer.logprobs(batch, with_entropy=True)
     out["train"] = trainer.train(batch, nll_loss)
@@ -131,25 +136,44 @@ def megatron_checks(trainer: Any, path: Path, batch: TrainBatch) -> dict[str, An
 
 
 def parity(args: argparse.Namespace, root: Path) -> None:
+    """fp32 against fp32; in bf16 each backend also against the fp32 logprobs of the same (bf16
+    stored) weights, the truth both round away from: the floor bf16 compute itself sets."""
     path = model_dir("0.5b", args.layers, root)
     batch = parity_batch(151_936)
     mask = batch.attention_mask.float()
     mask[:, 0] = 0
+    runs = {
+        "float32": (("fsdp2", {}), ("megatron", {})),
+        # FSDP2 with fp32 masters and bf16 compute: like Megatron's fp32 main parameters
+        "bfloat16": (("fsdp2", {"mixed_precision": True}), ("megatron", {})),
+    }
+    truth = None
     for dtype, goal in (("float32", 1e-5), ("bfloat16", 1e-2)):
-        ref = run_one("fsdp2", path, dtype, batch)
-        meg = run_one("megatron", path, dtype, batch)
+        (ref_backend, ref_extra), (_, meg_extra) = runs[dtype]
+        dtype_for_ref = "float32" if ref_extra.get("mixed_precision") else dtype
+        ref = run_one(ref_backend, path, dtype_for_ref, batch, **ref_extra)
+        meg = run_one("megatron", path, dtype, batch, **meg_extra)
+        if truth is None:
+            truth = ref["logprobs"]
         record = {
             "figure": "megatron_parity",
             "dtype": dtype,
+            "fsdp2": "fp32 masters, bf16 compute" if ref_extra else dtype,
             "layers": args.layers,
             "goal": goal,
             "logprob_max_diff": masked_max(ref["logprobs"], meg["logprobs"], mask),
+            "logprob_mean_diff": masked_mean(ref["logprobs"], meg["logprobs"], mask),
+            "fsdp2_vs_fp32_max": masked_max(ref["logprobs"], truth, mask),
+            "fsdp2_vs_fp32_mean": masked_mean(ref["logprobs"], truth, mask),
+            "megatron_vs_fp32_max": masked_max(meg["logprobs"], truth, mask),
+            "megatron_vs_fp32_mean": masked_mean(meg["logprobs"], truth, mask),
             "entropy_max_diff": masked_max(ref["entropy"], meg["entropy"], mask),
             "loss_fsdp2": ref["train"]["loss"],
             "loss_megatron": meg["train"]["loss"],
             "grad_norm_fsdp2": ref["train"]["grad_norm"],
             "grad_norm_megatron": meg["train"]["grad_norm"],
             "after_step_logprob_max_diff": masked_max(ref["after"], meg["after"], mask),
+            "after_step_logprob_mean_diff": masked_mean(ref["after"], meg["after"], mask),
         }
         emit(record | meg.get("checks", {}))
 
@@ -278,6 +302,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--root", default="/tmp/tandem-bench")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument(
+        "--only", choices=("parity", "throughput"), help="one part (each in a fresh process)"
+    )
     args = parser.parse_args()
     root = Path(args.root)
     kept: list[Any] = []
@@ -300,10 +327,12 @@ def main() -> None:
         offload(trainer, batch, before_build)
 
     steps: list[tuple[str, Any]] = [("parity", lambda: parity(args, root))]
-    if args.skip_throughput:
+    if args.skip_throughput or args.only == "parity":
         steps.append(("offload", offload_small))
     else:
         steps += [("throughput", measure), ("offload", offload_kept)]
+    if args.only == "throughput":
+        steps = steps[1:]
     for name, step in steps:
         try:
             step()

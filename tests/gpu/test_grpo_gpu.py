@@ -116,3 +116,14 @@ def test_mixed_precision_with_activation_checkpointing_and_resume(
     assert config["algorithm"]["num_steps"] == STEPS
     # the generator got the checkpoint's weights: step 3 samples where step 2 left off
     assert resumed[2]["gen/logprob_mismatch"] <= 2 * first[-1]["gen/logprob_mismatch"]
+
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_megatron_backend(model_dir: Path, tmp_path: Path, dtype: str) -> None:
+    """The same loop with the Megatron-core trainer: offload to 0 B, bounded refit, parity."""
+    pytest.importorskip("megatron.core", reason="needs megatron-core (the megatron extra)")
+    records = run(
+        model_dir, tmp_path, f"megatron-{dtype}", "policy.backend=megatron", f"policy.dtype={dtype}"
+    )
+    check_steps(records, bound=1e-5 if dtype == "float32" else 1e-2)
