@@ -137,8 +137,9 @@ class MegatronTrainer:
 
     def _build_model(self) -> Any:
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer import TransformerConfig
+
+        from tandem.trainer.megatron_attention import local_spec_with_sdpa
 
         layout = self.config.megatron
         kwargs = transformer_config_kwargs(
@@ -152,7 +153,7 @@ class MegatronTrainer:
         self.transformer_config = TransformerConfig(**kwargs, calculate_per_token_loss=True)
         model = GPTModel(
             config=self.transformer_config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            transformer_layer_spec=local_spec_with_sdpa(),
             pre_process=self.first_stage,
             post_process=self.last_stage,
             **gpt_model_kwargs(self.hf_config, self.shape),
