@@ -105,3 +105,34 @@ def test_shutdown_ray_stops_every_process_of_the_cluster() -> None:
             except psutil.NoSuchProcess:
                 pass
     assert alive == [], f"left running: {alive}"
+
+
+PRIORITY_DRIVER = """
+import json
+import os
+import ray
+from tandem.cluster.ray_cluster import init_ray, shutdown_ray
+init_ray(num_cpus=2)
+niceness = ray.get(ray.remote(num_cpus=0.5)(lambda: os.nice(0)).remote())
+shutdown_ray()
+print(json.dumps({"driver": os.nice(0), "actor": niceness}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("driver_niceness", [0, 3])
+def test_actors_of_a_local_cluster_run_at_the_drivers_priority(driver_niceness: int) -> None:
+    """Ray runs its workers at niceness 15 unless told otherwise; on a machine shared with other
+    work they then lose the cores to everything else. A local cluster's actors keep the
+    driver's niceness (a driver started with ``nice -n 3`` gives its actors 3, not 18)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        ["nice", "-n", str(driver_niceness), sys.executable, "-c", PRIORITY_DRIVER],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    base = os.nice(0)  # the test's own (pytest may itself run niced)
+    assert report == {"driver": base + driver_niceness, "actor": base + driver_niceness}

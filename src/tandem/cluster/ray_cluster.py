@@ -1,7 +1,8 @@
 """Starting or joining the Ray cluster.
 
 ``init_ray(address=None, num_cpus=None)`` joins ``address`` (or ``$RAY_ADDRESS``) when given,
-else starts a local single-node cluster (asking for loopback) with no dashboard. Calling it again
+else starts a local single-node cluster (asking for loopback) with no dashboard, whose workers
+run at the driver's priority (niceness 0, not Ray's 15). Calling it again
 once Ray is up does nothing; ``shutdown_ray()`` stops it without Ray's idle seconds.
 ``node_ip(node_id)`` is a node's address, ``alive_nodes()`` the ids of the alive nodes,
 ``bind_to(address)`` points an actor's gloo, NCCL and vLLM at its node's address.
@@ -53,7 +54,11 @@ def init_ray(address: str | None = None, num_cpus: float | None = None) -> None:
             # Ray starts one idle worker per CPU in the driver's environment for the first
             # driver; our actors run in their own environments and never use them, and their
             # imports slow the actors' start (docs/benchmarks/2026-12-04-cpu-e2e.md).
-            _system_config={"prestart_worker_first_driver": False},
+            # Ray runs its workers at niceness 15 (``worker_niceness``): on a machine shared with
+            # other work every actor then yields the cores to anything at the default 0; a
+            # reward-model actor scored at 0.61x of the same forward in the driver under load
+            # (docs/reward_models.md). Ray's nice() adds to its own: the actors keep the driver's.
+            _system_config={"prestart_worker_first_driver": False, "worker_niceness": 0},
         )
 
 
