@@ -40,3 +40,20 @@ def write_random_qwen2(
         if item.name.startswith(("tokenizer", "special_tokens", "generation")):
             shutil.copy2(item, path / item.name)
     return path
+
+
+VISUAL_MODEL_DIR = ASSETS_DIR / "tiny-qwen2.5-vl"
+"""The embedded vision-language model (a tiny Qwen2.5-VL written by
+``assets.vision.write_tiny_qwen2_vl``, warm-started on the visual task)."""
+
+
+def embedded_path(value: Any) -> Any:
+    """``embedded:NAME`` as the embedded model folder ``NAME`` (config values name embedded
+    models so); anything else as it is."""
+    if isinstance(value, str) and value.startswith("embedded:"):
+        path = ASSETS_DIR / value.removeprefix("embedded:")
+        if not (path / "config.json").is_file():
+            names = sorted(p.name for p in ASSETS_DIR.iterdir() if (p / "config.json").is_file())
+            raise ValueError(f"no embedded model {value!r} (embedded: {', '.join(names)})")
+        return path
+    return value
