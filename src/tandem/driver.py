@@ -176,7 +176,9 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
         from tandem.algorithms.async_grpo import RolloutPipeline
         from tandem.algorithms.grpo import grpo_step
 
-        source = PromptSource(train, eval_items, tokenizer, scorer, algo.seed)
+        source = PromptSource(
+            train, eval_items, tokenizer, scorer, algo.seed, config.policy.model_path
+        )
         check_prompt_lengths(source.longest_prompts(), context, config.generation)
         with (
             open_run(config, run_dir, resume, runtime) as run,
@@ -261,7 +263,9 @@ def run_sft(config: SftConfig, resume: bool = False) -> list[dict[str, Any]]:
         scorer,
         workers(spec, config.policy.model_path) as (runtime, tokenizer),
     ):
-        source = PromptSource(train, eval_items, tokenizer, scorer, algo.seed)
+        source = PromptSource(
+            train, eval_items, tokenizer, scorer, algo.seed, config.policy.model_path
+        )
         check_prompt_lengths(source.longest_prompts(), context, config.generation)
         with open_run(config, run_dir, resume, runtime) as run:
             if run.evaluates(0):

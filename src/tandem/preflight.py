@@ -77,7 +77,12 @@ def check_data_files(data: DataConfig | PreferenceDataConfig) -> None:
 def check_response_length(model_config: dict[str, Any], generation: GenerationConfig) -> int:
     """``generation.sampling.max_tokens`` leaves room for a prompt in the model's context.
     Returns the context length (``max_position_embeddings``), 0 when the config has none."""
-    context = int(model_config.get("max_position_embeddings") or 0)
+    text_config = model_config.get("text_config") or {}  # vision-language models keep it there
+    context = int(
+        model_config.get("max_position_embeddings")
+        or text_config.get("max_position_embeddings")
+        or 0
+    )
     max_tokens = generation.sampling.max_tokens
     if context and max_tokens >= context:
         raise ValueError(
@@ -166,4 +171,12 @@ def check_run_inputs(
     check_data_files(data)
     if isinstance(data, DataConfig):
         resolve_reward(data.reward)
+        images = data.task == "visual" or data.image_key is not None
+        if images and "vision_config" not in model_config:
+            raise ValueError(
+                f"image prompts (data.task={data.task}, data.image_key={data.image_key}) need a "
+                f"vision-language policy; policy.model_path={policy.model_path} is a "
+                f"{model_config.get('model_type', 'text-only')} model (the embedded one: "
+                "tandem.assets.VISUAL_MODEL_DIR)"
+            )
     return check_response_length(model_config, generation)

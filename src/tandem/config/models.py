@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tandem.assets import DEFAULT_MODEL_DIR
+from tandem.assets import DEFAULT_MODEL_DIR, embedded_path
 from tandem.config.lora import LoraConfig, check_lora_generation
 from tandem.config.megatron import MegatronConfig, TrainerBackend, check_megatron_policy
 from tandem.config.scoring import RewardConfig
@@ -77,7 +77,8 @@ class OptimizerConfig(Section):
 class PolicyConfig(Section):
     model_path: Path = DEFAULT_MODEL_DIR
     """Hugging Face model folder (config.json, weights, tokenizer). Default: the embedded tiny
-    model shipped inside the package."""
+    model shipped inside the package; ``embedded:NAME`` names another embedded one
+    (``embedded:tiny-qwen2.5-vl``, the vision-language model)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype. On GPU, bfloat16 compute via FSDP2 mixed precision is set by
     mixed_precision."""
@@ -124,6 +125,11 @@ class PolicyConfig(Section):
     environment with the megatron extra)."""
     megatron: MegatronConfig = MegatronConfig()
     """Parallel layout of policy.backend=megatron (ignored by fsdp2)."""
+
+    @field_validator("model_path", mode="before")
+    @classmethod
+    def _embedded_model(cls, value: Any) -> Any:
+        return embedded_path(value)
 
     @model_validator(mode="after")
     def _backend_settings(self) -> PolicyConfig:
@@ -310,9 +316,10 @@ class AlgorithmConfig(Section):
 
 
 class DataConfig(Section):
-    task: Literal["arithmetic", "jsonl", "environment"] = "arithmetic"
+    task: Literal["arithmetic", "jsonl", "environment", "visual"] = "arithmetic"
     """arithmetic: the embedded synthetic task; jsonl: prompts from a file (train_path);
-    environment: the samples of the ``environment`` section's environment (its ``samples``)."""
+    environment: the samples of the ``environment`` section's environment (its ``samples``);
+    visual: the embedded image task (count the shapes; needs a vision-language model)."""
     train_path: Path | None = None
     """JSONL/Parquet file of training prompts (task=jsonl)."""
     eval_path: Path | None = None
@@ -321,6 +328,9 @@ class DataConfig(Section):
     """Column holding the question."""
     answer_key: str = "answer"
     """Column holding the reference answer."""
+    image_key: str | None = None
+    """Column holding each prompt's image (a path relative to the file, or bytes); None: text
+    prompts. Needs a vision-language policy (e.g. Qwen2.5-VL)."""
     prompt_template: str = "{question}"
     """Template applied to each row ({question} and other columns)."""
     reward: str = "exact_match"

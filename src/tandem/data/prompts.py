@@ -28,9 +28,19 @@ class PromptSource:
         tokenizer: Any,
         reward: RewardFn,
         seed: int,
+        model_path: Path | None = None,
     ):
         if not train:
             raise ValueError("the training prompt set is empty")
+        self.processor: Any = None
+        """Image prompts (items with an ``image``): the model's ``VisionProcessor`` (from
+        ``model_path``)."""
+        if "image" in train[0]:
+            from tandem.data.images import VisionProcessor
+
+            if model_path is None:
+                raise ValueError("image prompts need the model folder of their processor")
+            self.processor = VisionProcessor(model_path, tokenizer)
         self.train = train
         self.eval_items = eval_items
         self.tokenizer = tokenizer
@@ -52,6 +62,12 @@ class PromptSource:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_prompt(self, item: dict[str, Any]) -> list[int]:
+        """An item's prompt ids: with an ``image``, an ``ImagePrompt`` carrying its pixels."""
+        if "image" in item:
+            return self.processor(item["prompt"], [item["image"]])  # type: ignore[no-any-return]
+        return self.encode(item["prompt"])
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -100,7 +116,7 @@ def make_prompt_source(
     environment: EnvironmentConfig | None = None,
 ) -> PromptSource:
     train, eval_items = load_prompt_items(config, seed, num_train, environment)
-    return PromptSource(train, eval_items, load_tokenizer(model_path), reward, seed)
+    return PromptSource(train, eval_items, load_tokenizer(model_path), reward, seed, model_path)
 
 
 def load_prompt_items(
@@ -114,6 +130,13 @@ def load_prompt_items(
     if config.task == "environment":
         assert environment is not None  # checked by GrpoConfig
         return environment_samples(environment, seed, num_train, config.num_eval_prompts)
+    if config.task == "visual":
+        from tandem.data.visual import cached_visual_task
+
+        folder = cached_visual_task(config.num_eval_prompts, seed)
+        image_data = config.model_copy(update={"image_key": config.image_key or "image"})
+        train = load_prompt_file(folder / "train.jsonl", image_data)
+        return train, load_prompt_file(folder / "eval.jsonl", image_data)
     if config.task == "arithmetic":
         from tandem.data.arithmetic import ArithmeticTask
 
@@ -158,10 +181,18 @@ def load_prompt_file(path: Path, config: DataConfig) -> list[dict[str, str]]:
         raise ValueError(f"data file not found: {path}")
     if not path.read_bytes().strip():
         raise ValueError(f"data file {path} is empty")
+    image_key = config.image_key
     if path.suffix == ".jsonl":
-        check_jsonl(path, (config.prompt_key, config.answer_key))
-    items = []
-    for index, row in enumerate(read_rows(path)):
+        check_jsonl(
+            path, (config.prompt_key, config.answer_key, *([image_key] if image_key else []))
+        )
+    rows = read_rows(path)
+    if image_key is not None:
+        from tandem.data.images import decode_image  # imports torch: not for text prompts
+
+        rows = image_column(rows, path, image_key)
+    items: list[dict[str, Any]] = []
+    for index, row in enumerate(rows):
         for key in (config.prompt_key, config.answer_key):
             if row.get(key) is None:
                 raise ValueError(f"{path}: row {index + 1} has no {key!r}")
@@ -176,8 +207,33 @@ def load_prompt_file(path: Path, config: DataConfig) -> list[dict[str, str]]:
                 f"data.prompt_template={config.prompt_template!r} is not a template of named "
                 f"columns like '{{question}}' ({err}; write a literal brace as '{{{{')"
             ) from None
-        items.append({"prompt": prompt, "answer": str(row[config.answer_key])})
+        item = {"prompt": prompt, "answer": str(row[config.answer_key])}
+        if image_key is not None:
+            item["image"] = decode_image(row[image_key], f"{path} row {index + 1}")
+        items.append(item)
     return items
+
+
+def image_column(rows: Any, path: Path, key: str) -> Any:
+    """``rows`` with column ``key`` cast to ``datasets.Image`` (undecoded: each row is decoded
+    and checked on its own, so a bad one is named), relative paths taken from ``path``'s
+    folder."""
+    import datasets
+
+    if key not in rows.column_names:
+        raise ValueError(
+            f"{path} has no column {key!r} (data.image_key; columns: {rows.column_names})"
+        )
+
+    def absolute(row: dict[str, Any]) -> dict[str, Any]:
+        value = row[key]
+        if isinstance(value, str) and not Path(value).is_absolute():
+            value = str(path.parent / value)
+        return {key: value}
+
+    if rows.features[key].dtype == "string":
+        rows = rows.map(absolute)
+    return rows.cast_column(key, datasets.Image(decode=False))
 
 
 def check_jsonl(

@@ -1,0 +1,159 @@
+"""Image prompts: token ids that carry their images' pixel tensors, the batch rows that keep
+them, and the model's processor that makes them (Qwen2-VL family).
+
+A Qwen2-VL prompt holds one ``<|image_pad|>`` token per merged patch of each image (between
+``<|vision_start|>`` and ``<|vision_end|>``); the model replaces those tokens' embeddings by the
+vision tower's outputs. So an image prompt is its token ids (``ImagePrompt``, a ``list[int]``
+that everything taking prompt ids passes along unchanged: the runtime's chunking, the
+workers, pickling between actors) with its ``ImageInputs`` attached: the processor's
+``pixel_values`` (flattened patches) and ``image_grid_thw`` (patches per image along time,
+height and width).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ImageInputs:
+    """The vision inputs of one prompt, as the model's forward takes them."""
+
+    pixel_values: torch.Tensor
+    """``[num_patches, channels * temporal_patch * patch * patch]`` float32 patches."""
+    image_grid_thw: torch.Tensor
+    """``[num_images, 3]`` int64 patches per image along (time, height, width)."""
+
+    def to(self, device: torch.device | str) -> ImageInputs:
+        return ImageInputs(self.pixel_values.to(device), self.image_grid_thw.to(device))
+
+    @staticmethod
+    def merged(parts: Sequence[ImageInputs]) -> ImageInputs:
+        """The inputs of several prompts in order, as one forward of their rows takes them."""
+        return ImageInputs(
+            torch.cat([p.pixel_values for p in parts]),
+            torch.cat([p.image_grid_thw for p in parts]),
+        )
+
+
+class ImagePrompt(list[int]):
+    """A prompt's token ids (image placeholders expanded) with its ``images``. A list of ints
+    to everything that handles prompt ids; the generators and batches read ``images``."""
+
+    images: ImageInputs
+
+    def __init__(self, token_ids: Iterable[int], images: ImageInputs):
+        super().__init__(token_ids)
+        self.images = images
+
+
+def prompt_images(prompt: Sequence[int]) -> ImageInputs | None:
+    """The images a prompt carries (None for a text prompt)."""
+    return prompt.images if isinstance(prompt, ImagePrompt) else None
+
+
+@dataclass
+class RowImages:
+    """The images of each row of a batch (None for a row without), selected with its rows."""
+
+    rows: list[ImageInputs | None]
+
+    @staticmethod
+    def of(prompts: Sequence[Sequence[int]]) -> RowImages | None:
+        """The rows' images, or None when no prompt has any (a text batch)."""
+        images = [prompt_images(p) for p in prompts]
+        return RowImages(images) if any(i is not None for i in images) else None
+
+    def select(self, index: slice | torch.Tensor | list[int]) -> RowImages:
+        if isinstance(index, slice):
+            return RowImages(self.rows[index])
+        picks = index.tolist() if isinstance(index, torch.Tensor) else index
+        if isinstance(picks, int):
+            picks = [picks]
+        return RowImages([self.rows[int(i)] for i in picks])
+
+    def to(self, device: torch.device | str) -> RowImages:
+        return RowImages([None if r is None else r.to(device) for r in self.rows])
+
+    def merged(self) -> ImageInputs | None:
+        """One forward's inputs (rows in order), None when no row has an image."""
+        present = [r for r in self.rows if r is not None]
+        return ImageInputs.merged(present) if present else None
+
+
+def decode_image(value: Any, where: str) -> Any:
+    """A ``datasets.Image`` cell (a path, bytes, or ``{"path", "bytes"}``) as an RGB PIL image;
+    one that is missing or unreadable is a ``ValueError`` naming ``where`` (file and row)."""
+    import datasets
+
+    if value is None:
+        raise ValueError(f"{where}: no image (the image column is empty)")
+    if isinstance(value, str | Path):
+        value = {"path": str(value), "bytes": None}
+    elif isinstance(value, bytes):
+        value = {"path": None, "bytes": value}
+    path = value.get("path")
+    if value.get("bytes") is None and path is not None and not Path(path).is_file():
+        raise ValueError(f"{where}: image file not found: {path}")
+    try:
+        image = datasets.Image().decode_example(value)
+        image.load()
+    except Exception as err:  # PIL's own error names what it met
+        what = path or "the embedded bytes"
+        raise ValueError(f"{where}: cannot read image {what} ({err})") from None
+    return image.convert("RGB")
+
+
+def png_bytes(image: Any) -> bytes:
+    """``image`` (PIL) as PNG bytes (what a Parquet file of images holds)."""
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+class VisionProcessor:
+    """Text and images to an ``ImagePrompt``: the model's image processor (transformers' class
+    for it, from the folder's ``preprocessor_config.json``) makes the patches, the tokenizer
+    the text, and each image becomes ``<|vision_start|>``, one ``<|image_pad|>`` per merged
+    patch, ``<|vision_end|>`` (ids from the model's config). Images come first, then the text,
+    as Qwen2-VL's chat format lays them out."""
+
+    def __init__(self, model_path: Path, tokenizer: Any):
+        from transformers import AutoConfig, AutoImageProcessor
+
+        config = AutoConfig.from_pretrained(str(model_path))
+        if getattr(config, "vision_config", None) is None:
+            raise ValueError(
+                f"{model_path} is a text-only model ({config.model_type}); image prompts need a "
+                "vision-language model folder (e.g. Qwen2-VL / Qwen2.5-VL)"
+            )
+        self.image_processor = AutoImageProcessor.from_pretrained(str(model_path))
+        self.tokenizer = tokenizer
+        self.merge = int(config.vision_config.spatial_merge_size)
+        self.image_token_id = int(config.image_token_id)
+        self.start_id = int(config.vision_start_token_id)
+        self.end_id = int(config.vision_end_token_id)
+
+    def __call__(self, text: str, images: Sequence[Any]) -> ImagePrompt:
+        out = self.image_processor(images=list(images), return_tensors="pt")
+        grid = out["image_grid_thw"].long()
+        ids: list[int] = []
+        for thw in grid.tolist():
+            count = thw[0] * thw[1] * thw[2] // self.merge**2
+            ids += [self.start_id, *[self.image_token_id] * count, self.end_id]
+        ids += list(self.tokenizer.encode(text, add_special_tokens=False))
+        return ImagePrompt(ids, ImageInputs(out["pixel_values"].float(), grid))
+
+
+def is_vision_model(model_path: Path) -> bool:
+    """Whether the folder's config has a vision tower (reads config.json only)."""
+    import json
+
+    config = Path(model_path) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
