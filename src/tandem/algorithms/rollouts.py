@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tandem.data.batch import TrainBatch
+from tandem.data.images import RowImages
 from tandem.generation.base import Rollout
 from tandem.rewards.scorer import RewardScorer, Scores
 
@@ -35,7 +36,8 @@ def score_rollouts(
 
 def rollouts_to_batch(rollouts: Sequence[Rollout], pad_token_id: int) -> TrainBatch:
     """Right-padded prompt+response batch; the loss covers the response tokens only (the
-    generated ones of a multi-turn episode: ``Rollout.response_mask``)."""
+    generated ones of a multi-turn episode: ``Rollout.response_mask``). Image prompts
+    (``data.images.ImagePrompt``) bring their images."""
     lengths = [len(r.prompt_token_ids) + len(r.response_token_ids) for r in rollouts]
     width = max(lengths)
     # rows as Python lists, one tensor each: a tensor per row and field cost 5x as much
@@ -57,4 +59,5 @@ def rollouts_to_batch(rollouts: Sequence[Rollout], pad_token_id: int) -> TrainBa
         attention_mask=attention_mask,
         loss_mask=loss_mask,
         generator_logprobs=generator_logprobs,
+        images=RowImages.of([r.prompt_token_ids for r in rollouts]),
     )

@@ -15,7 +15,7 @@ def sft_batch(source: PromptSource, items: list[dict[str, str]]) -> TrainBatch:
     eos = source.tokenizer.eos_token_id
     rows = []
     for item in items:
-        prompt = source.encode(item["prompt"])
+        prompt = source.encode_prompt(item)
         response = source.encode(item["answer"]) + ([eos] if eos is not None else [])
         rows.append((prompt, response))
     return right_padded(rows, source.pad_token_id)

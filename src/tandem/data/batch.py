@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from tandem.data.images import RowImages
+
 
 @dataclass
 class TrainBatch:
@@ -32,6 +34,9 @@ class TrainBatch:
     """[B, T] logprobs reported by the generator (for the importance-ratio correction)."""
     reference_logprobs: torch.Tensor | None = None
     """[B, T] logprobs of the frozen reference policy (for the KL penalty)."""
+    images: RowImages | None = None
+    """Image prompts: each row's images (``data.images``), which follow their rows through
+    ``select`` (micro-batches, shards); None for a text batch."""
 
     @property
     def num_sequences(self) -> int:
@@ -42,33 +47,35 @@ class TrainBatch:
         """Number of trained (loss-masked) tokens."""
         return int(self.loss_mask.sum().item())
 
-    def select(self, index: slice | torch.Tensor) -> TrainBatch:
-        """Rows ``index`` of every tensor (micro-batches, data-parallel shards)."""
-        values: dict[str, Any] = {
-            f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index])
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """The ``[B, T]`` tensors that are set."""
+        return {
+            f.name: getattr(self, f.name)
             for f in fields(self)
+            if f.name != "images" and getattr(self, f.name) is not None
         }
-        return TrainBatch(**values)
+
+    def select(self, index: slice | torch.Tensor) -> TrainBatch:
+        """Rows ``index`` of every tensor and their images (micro-batches, data-parallel
+        shards)."""
+        values: dict[str, Any] = {k: v[index] for k, v in self._tensors().items()}
+        images = None if self.images is None else self.images.select(index)
+        return TrainBatch(**values, images=images)
 
     def columns(self, index: slice) -> TrainBatch:
-        """Columns ``index`` of every tensor (all of them are ``[B, T]``)."""
-        values: dict[str, Any] = {
-            f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[:, index])
-            for f in fields(self)
-        }
-        return TrainBatch(**values)
+        """Columns ``index`` of every tensor (all of them are ``[B, T]``); images as they are."""
+        values: dict[str, Any] = {k: v[:, index] for k, v in self._tensors().items()}
+        return TrainBatch(**values, images=self.images)
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        values: dict[str, Any] = {
-            f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
-            for f in fields(self)
-        }
-        return replace(self, **values)
+        values: dict[str, Any] = {k: v.to(device) for k, v in self._tensors().items()}
+        images = None if self.images is None else self.images.to(device)
+        return replace(self, **values, images=images)
 
 
 def right_padded(rows: list[tuple[list[int], list[int]]], pad_token_id: int) -> TrainBatch:
     """A batch of ``(prompt ids, response ids)`` rows, each prompt followed by its response and
-    right-padded; the loss covers the responses."""
+    right-padded; the loss covers the responses. Image prompts bring their images."""
     width = max(len(p) + len(r) for p, r in rows)
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -78,4 +85,9 @@ def right_padded(rows: list[tuple[list[int], list[int]]], pad_token_id: int) -> 
         input_ids[row, :end] = torch.tensor(prompt + response)
         attention_mask[row, :end] = 1
         loss_mask[row, len(prompt) : end] = 1.0
-    return TrainBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        images=RowImages.of([prompt for prompt, _ in rows]),
+    )

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.data.images import ImageInputs
+
 MAX_CHUNK_LOGITS = 1 << 26
 """Most logits (tokens x vocabulary) one chunk computes: 256 MiB in fp32, so a 151,936-token
 vocabulary takes chunks of at most 441 tokens whatever ``chunk_size`` says."""
@@ -155,6 +157,7 @@ class LogprobModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         sources: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
+        images: ImageInputs | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A right-padded ``attention_mask`` only zeroes the padding's outputs: the model runs
         causal without it (``right_padded``).
@@ -162,18 +165,27 @@ class LogprobModel(nn.Module):
         Packed layouts (``tandem.data.packing``) pass their ``position_ids``, their 4D
         ``attention_mask`` or None (block-diagonal from positions that restart), and the
         pairs to score: ``targets[i]`` as predicted by the hidden state at flat position
-        ``sources[i]`` of ``input_ids``; the results are then ``[n]``, one per pair."""
+        ``sources[i]`` of ``input_ids``; the results are then ``[n]``, one per pair.
+
+        A vision-language model (Qwen2-VL family) runs its whole body: the vision tower on
+        ``images`` (the rows' images in row order), their features in place of the image
+        tokens, the multimodal positions it derives from the ids and the image grids."""
         lm: Any = self.lm  # a Hugging Face PreTrainedModel
-        body = lm.get_decoder()
         if sources is None:
             body_mask = (
                 None if attention_mask is None or right_padded(attention_mask) else attention_mask
             )
         else:
             body_mask = attention_mask
-        hidden = body(
-            input_ids=input_ids, attention_mask=body_mask, position_ids=position_ids
-        ).last_hidden_state
+        if hasattr(lm.model, "visual"):
+            pixels = {} if images is None else vision_kwargs(images)
+            hidden = lm.model(
+                input_ids=input_ids, attention_mask=body_mask, position_ids=position_ids, **pixels
+            ).last_hidden_state
+        else:
+            hidden = lm.get_decoder()(
+                input_ids=input_ids, attention_mask=body_mask, position_ids=position_ids
+            ).last_hidden_state
         if sources is None:
             flat_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
             flat_targets = input_ids[:, 1:].reshape(-1)
@@ -195,3 +207,8 @@ class LogprobModel(nn.Module):
             return logprobs, entropies
         mask = attention_mask.to(logprobs.dtype)
         return logprobs * mask, entropies * mask
+
+
+def vision_kwargs(images: ImageInputs) -> dict[str, torch.Tensor]:
+    """A Qwen2-VL forward's image arguments."""
+    return {"pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw}

@@ -4,6 +4,7 @@ at the root, optional activation checkpointing. Model code never sees torch.dist
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,14 +66,23 @@ def init_distributed(rank: int, world_size: int, device: torch.device) -> None:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The repeated transformer blocks of a Hugging Face causal LM (``model.model.layers``)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    """The repeated transformer blocks of a Hugging Face causal LM (``model.model.layers``;
+    a vision-language model's ``model.model.language_model.layers``)."""
+    body = getattr(model, "model", None)
+    layers = getattr(getattr(body, "language_model", body), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(
             f"{type(model).__name__} has no model.layers ModuleList; PolicyTrainer supports "
             "decoder-only Hugging Face causal LMs (Llama, Qwen2, Mistral...)"
         )
     return layers
+
+
+def vision_tower(model: nn.Module) -> nn.Module | None:
+    """A vision-language model's vision tower (Qwen2-VL's ``model.model.visual``: patch
+    embedding, ``blocks``, the merger that projects into the language model); None for a
+    text-only model."""
+    return getattr(getattr(model, "model", None), "visual", None)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -87,8 +97,9 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 def apply_fsdp(
     root: nn.Module, model: nn.Module, config: PolicyConfig, device: torch.device
 ) -> DeviceMesh:
-    """``fully_shard`` each decoder layer, then ``root`` (which owns embeddings, final norm and
-    LM head, gathered together for the root's forward).
+    """``fully_shard`` each decoder layer (and a vision tower's blocks, then the tower), then
+    ``root`` (which owns embeddings, final norm and LM head, gathered together for the root's
+    forward).
 
     ``model`` may still be on the host: fully_shard moves one layer at a time to ``device`` and
     keeps only its shard, so no rank ever holds the whole model on the device.
@@ -105,6 +116,12 @@ def apply_fsdp(
         )
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    tower = vision_tower(model)
+    if tower is not None:  # each vision block, then the rest of the tower (patches, merger)
+        blocks: Any = tower.blocks
+        for block in blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(tower, **kwargs)
     layers = decoder_layers(model)
     for index, layer in enumerate(layers):
         # the root's backward needs the last layer again right away: keep it gathered

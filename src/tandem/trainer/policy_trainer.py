@@ -21,6 +21,7 @@ from tandem.checkpoint import Ranks, TrainState, hf_export, sharded
 from tandem.config.models import PolicyConfig
 from tandem.contracts import LossFn
 from tandem.data.batch import TrainBatch
+from tandem.data.images import is_vision_model
 from tandem.data.packing import (
     MICRO_BATCH_OVERHEAD,
     MicroBatch,
@@ -73,6 +74,10 @@ def _load_lm(config: PolicyConfig) -> Any:
             "snapshot"
         )
     # loaded on the host: fully_shard then moves one layer's shard at a time to the device
+    if is_vision_model(path):
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText.from_pretrained(str(path), dtype=DTYPES[config.dtype])
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[config.dtype])
 
 
@@ -108,7 +113,12 @@ class PolicyTrainer:
         # the exported config keeps the model's own setting; training never uses a KV cache
         self.hf_use_cache = bool(getattr(self.lm.config, "use_cache", True))
         self.lm.config.use_cache = False
-        self.attention_cost = shared_prompt_cost(self.lm) if config.share_prompts else None
+        self.vision = is_vision_model(Path(config.model_path))
+        """A vision-language policy: no packing, no shared prompts (its positions are derived
+        from whole rows and their images), images passed with their rows."""
+        self.attention_cost = (
+            shared_prompt_cost(self.lm) if config.share_prompts and not self.vision else None
+        )
         """``plan_micro_batches``' attention_cost: None computes every sequence's prompt."""
         self.micro_batch_overhead = (
             MICRO_BATCH_OVERHEAD.get(self.device.type, MICRO_BATCH_OVERHEAD["cuda"])
@@ -165,7 +175,7 @@ class PolicyTrainer:
                 batch,
                 config.micro_batch_size,
                 config.max_tokens_per_micro_batch,
-                config.packing,
+                config.packing and not self.vision,
                 self.attention_cost,
                 self.micro_batch_overhead,
             )
@@ -185,10 +195,12 @@ class PolicyTrainer:
     def _forward(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Token logprobs and entropies ``[b, T]`` of the micro-batch's (trimmed) layout."""
         if mb.packed is None:
+            images = None if mb.batch.images is None else mb.batch.images.merged()
             return self.model(
                 mb.batch.input_ids.to(self.device),
                 mb.batch.attention_mask.to(self.device),
                 with_entropy=with_entropy,
+                images=None if images is None else images.to(self.device),
             )
         packed = mb.packed
         valid = packed.valid

@@ -1,0 +1,132 @@
+"""The trainer on image prompts: chunked logprobs with pixels against an unchunked forward of
+each row alone, images that follow their rows through micro-batches and ranks, gradients that
+reach the vision tower, and FSDP2 over 2 gloo ranks wrapping its blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_trainer_support import spawn, token_nll
+
+from tandem.assets import VISUAL_MODEL_DIR
+from tandem.config.models import OptimizerConfig, PolicyConfig
+from tandem.data.batch import TrainBatch, right_padded
+from tandem.data.images import ImagePrompt, VisionProcessor
+from tandem.data.visual import scenes
+from tandem.trainer import PolicyTrainer
+
+
+def _prompts(count: int) -> list[ImagePrompt]:
+    from transformers import AutoTokenizer
+
+    processor = VisionProcessor(VISUAL_MODEL_DIR, AutoTokenizer.from_pretrained(VISUAL_MODEL_DIR))
+    return [processor("How many shapes?", [s.draw()]) for s in scenes(count, 5, held_out=False)]
+
+
+def image_batch(count: int = 6) -> TrainBatch:
+    """``count`` image prompts with responses of different lengths."""
+    rows = [(p, [*b"123"[: 1 + i % 3], 256]) for i, p in enumerate(_prompts(count))]
+    return right_padded(rows, pad_token_id=256)
+
+
+def reference_logprobs(batch: TrainBatch) -> torch.Tensor:
+    """Each row alone, unpadded, through transformers' own forward and a full log-softmax."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(VISUAL_MODEL_DIR).eval()
+    assert batch.images is not None
+    out = torch.zeros(batch.input_ids.shape)
+    for row in range(batch.num_sequences):
+        length = int(batch.attention_mask[row].sum())
+        ids = batch.input_ids[row : row + 1, :length]
+        images = batch.images.rows[row]
+        assert images is not None
+        with torch.no_grad():
+            logits = model(
+                input_ids=ids,
+                pixel_values=images.pixel_values,
+                image_grid_thw=images.image_grid_thw,
+            ).logits.float()
+        picked = logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+        out[row, 1:length] = picked
+    return out
+
+
+def _config(**kwargs: Any) -> PolicyConfig:
+    optimizer = OptimizerConfig(lr=1e-2, eps=1e-3)
+    return PolicyConfig(model_path=VISUAL_MODEL_DIR, optimizer=optimizer, **kwargs)
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 4, 6])
+def test_chunked_logprobs_with_pixels_match_each_row_alone(micro_batch_size: int) -> None:
+    batch = image_batch()
+    trainer = PolicyTrainer(
+        _config(micro_batch_size=micro_batch_size, logprob_chunk_size=3, packing=True)
+    )
+    got = trainer.logprobs(batch)
+    assert (got - reference_logprobs(batch)).abs().max() <= 1e-5
+
+
+def test_rows_keep_their_own_images() -> None:
+    """Swapping two rows' images changes those rows' logprobs and no other's."""
+    batch = image_batch(4)
+    trainer = PolicyTrainer(_config(micro_batch_size=2))
+    before = trainer.logprobs(batch)
+    assert batch.images is not None
+    rows = batch.images.rows
+    rows[0], rows[3] = rows[3], rows[0]
+    after = trainer.logprobs(batch)
+    changed = ((after - before).abs() * batch.loss_mask).amax(-1) > 1e-4
+    assert changed.tolist() == [True, False, False, True]
+
+
+def test_training_moves_the_vision_tower() -> None:
+    batch = image_batch(4)
+    trainer = PolicyTrainer(_config(micro_batch_size=2))
+    visual = trainer.lm.model.visual
+    before = {n: p.detach().clone() for n, p in visual.named_parameters()}
+    metrics = trainer.train(batch, token_nll)
+    assert metrics["grad_norm"] > 0
+    moved = [n for n, p in visual.named_parameters() if not torch.equal(p, before[n])]
+    assert any(n.startswith("blocks.") for n in moved) and any("merger" in n for n in moved)
+    names = [name for name, _ in trainer.iter_weights()]
+    assert (
+        "model.visual.merger.mlp.0.weight" in names
+        and "model.visual.blocks.1.mlp.up_proj.weight" in names
+    )
+
+
+def _rank(rank: int, world_size: int, out: str) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    batch = image_batch(4)
+    trainer = PolicyTrainer(_config(micro_batch_size=1), rank, world_size)
+    visual = trainer.lm.model.visual
+    wrapped = all(isinstance(b, FSDPModule) for b in visual.blocks) and isinstance(
+        visual, FSDPModule
+    )
+    shard = batch.select(slice(0, 3) if rank == 0 else slice(3, 4))
+    logprobs = trainer.logprobs(shard)
+    trainer.train(shard, token_nll)
+    weights = dict(trainer.iter_weights())
+    if rank == 0:
+        torch.save({"wrapped": wrapped, "logprobs": logprobs, "weights": weights}, out)
+
+
+@pytest.mark.slow
+def test_fsdp2_over_two_ranks_wraps_the_vision_blocks_and_trains_like_one(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "rank0.pt"
+    spawn(_rank, 2, str(out))
+    result = torch.load(out)
+    assert result["wrapped"]
+    batch = image_batch(4)
+    single = PolicyTrainer(_config(micro_batch_size=1))
+    assert (result["logprobs"] - single.logprobs(batch.select(slice(0, 3)))).abs().max() <= 1e-5
+    single.train(batch, token_nll)
+    for name, tensor in single.iter_weights():
+        assert (result["weights"][name] - tensor).abs().max() <= 1e-5, name
