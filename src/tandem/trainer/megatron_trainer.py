@@ -34,6 +34,7 @@ from tandem.contracts import LossFn
 from tandem.data.batch import TrainBatch
 from tandem.data.packing import MICRO_BATCH_OVERHEAD, MicroBatch, plan_micro_batches, trimmed
 from tandem.trainer import megatron_checkpoint
+from tandem.trainer.megatron_batches import join_model_parallel
 from tandem.trainer.megatron_config import gpt_model_kwargs, transformer_config_kwargs
 from tandem.trainer.megatron_weights import (
     DecoderShape,
@@ -129,6 +130,7 @@ class MegatronTrainer:
             tensor_parallel.model_parallel_cuda_manual_seed(1234)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.mp_group = parallel_state.get_model_parallel_group()
         self.tp_rank = dist.get_rank(self.tp_group)
         self.tp_size = dist.get_world_size(self.tp_group)
         self.first_stage = parallel_state.is_pipeline_first_stage()
@@ -322,6 +324,7 @@ class MegatronTrainer:
         ``with_entropy`` the pair (logprobs, entropy)."""
         self._require_resident("logprobs")
         self.model.eval()
+        batch, mine = join_model_parallel(batch, self.mp_group)
         shape = tuple(batch.input_ids.shape)
         out, ent = torch.zeros(shape), torch.zeros(shape)
         planned = self._micro_batches(batch)
@@ -337,7 +340,7 @@ class MegatronTrainer:
             return logprobs.new_zeros(())
 
         self._run([mb for mb, _ in planned], collect, forward_only=True)
-        out, ent = self._from_last_stage(out), self._from_last_stage(ent)
+        out, ent = self._from_last_stage(out)[mine], self._from_last_stage(ent)[mine]
         return (out, ent) if with_entropy else out
 
     # -- training -------------------------------------------------------------------------------
@@ -351,6 +354,7 @@ class MegatronTrainer:
             raise ValueError("this MegatronTrainer was built with trainable=False")
         self._require_resident("train")
         self.model.train()
+        batch, _ = join_model_parallel(batch, self.mp_group)
         mask = batch.loss_mask
         counts = torch.tensor([mask.sum().item(), (mask.sum(-1) > 0).sum().item()])
         # every rank of a model-parallel group holds the same batch: count data-parallel ranks
