@@ -10,13 +10,19 @@ A reward model (``--model``, default: the embedded model with a fresh one-label 
     actor    the Ray actor of kind reward_model (shared environment), through ``ModelScorers``
 
 One JSON line per measurement (samples/s), then the medians and each way's ratio to plain.
+``--busy N`` keeps N other processes spinning at the default priority while it measures: the
+contention of a machine shared with other jobs, made repeatable (each line records the load
+average and the actor's niceness).
 
     ./run.sh python bench/reward_model.py [--samples 1024] [--batch-size 64] [--rounds 3]
+        [--busy 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import random
 import statistics
 import sys
@@ -44,6 +50,15 @@ def samples(count: int) -> list[tuple[str, str, str]]:
     return out
 
 
+def niceness() -> int:
+    return os.nice(0)
+
+
+def spin() -> None:
+    while True:
+        pass
+
+
 def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
@@ -57,8 +72,20 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--busy", type=int, default=0, help="processes spinning meanwhile")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    busy = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.busy)]
+    try:
+        for process in busy:
+            process.start()
+        measure(args)
+    finally:
+        for process in busy:
+            process.kill()
+
+
+def measure(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model
         if path is None:
@@ -69,6 +96,7 @@ def main() -> None:
         plain = RewardModel(path)
         rule = Scores([0.0] * len(batch))
         results: dict[str, list[float]] = {"plain": [], "inline": [], "actor": []}
+        actor_niceness = None
         common = [
             f"reward.model={path}",
             f"reward.batch_size={args.batch_size}",
@@ -83,6 +111,10 @@ def main() -> None:
                 scorers.score(batch[: args.batch_size], Scores([0.0] * args.batch_size))  # warm
                 plain.score(prompts[: args.batch_size], responses[: args.batch_size])
                 way = "inline" if runtime == "in_process" else "actor"
+                if runtime == "ray":  # a Ray worker's priority, as the actor's
+                    import ray
+
+                    actor_niceness = ray.get(ray.remote(num_cpus=0)(niceness).remote())
                 for index in range(args.rounds):
                     for name, fn in (
                         ("plain", lambda: plain.score(prompts, responses, args.batch_size)),
@@ -91,14 +123,16 @@ def main() -> None:
                         rate = len(batch) / timed(fn)
                         results[name].append(rate)
                         emit({"bench": "reward_model", "way": name, "round": index,
-                              "samples_per_s": round(rate, 1)})  # fmt: skip
+                              "samples_per_s": round(rate, 1),
+                              "load_avg_1m": os.getloadavg()[0]})  # fmt: skip
         ceiling = statistics.median(results["plain"])
         for name, rates in results.items():
             emit({
                 "bench": "reward_model", "way": name, "median_samples_per_s": round(
                     statistics.median(rates), 1), "ratio_vs_plain": round(
                     statistics.median(rates) / ceiling, 3), "samples": args.samples,
-                "batch_size": args.batch_size, "threads": args.threads,
+                "batch_size": args.batch_size, "threads": args.threads, "busy": args.busy,
+                "actor_niceness": actor_niceness,
             })  # fmt: skip
 
 
