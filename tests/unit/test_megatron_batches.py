@@ -44,6 +44,7 @@ def test_group_members_join_their_shards_in_rank_order() -> None:
         expected = shard(rank)
         width = expected.input_ids.shape[1]
         assert torch.equal(joined0.input_ids[rows, :width], expected.input_ids)
+        assert joined0.advantages is not None and expected.advantages is not None
         assert torch.equal(joined0.advantages[rows, :width], expected.advantages)
         assert not joined0.attention_mask[rows, width:].any()  # padding is no token
         assert not joined0.loss_mask[rows, width:].any()

@@ -34,7 +34,7 @@ def join_model_parallel(batch: TrainBatch, group: Any) -> tuple[TrainBatch, slic
 def concatenate(batches: list[TrainBatch]) -> TrainBatch:
     """Rows of ``batches`` one after another, right-padded with zeros to the widest."""
     width = max(b.input_ids.shape[1] for b in batches)
-    joined: dict[str, torch.Tensor] = {}
+    joined: dict[str, Any] = {}
     for field in fields(TrainBatch):
         parts = [getattr(b, field.name) for b in batches]
         if field.name == "images" or any(p is None for p in parts):
