@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from tandem.assets import DEFAULT_MODEL_DIR
-from tandem.attention import CPU_GQA_SDPA
+from tandem.attention import GQA_SDPA
 from tandem.config.models import GenerationConfig, RefitConfig, SamplingConfig
 from tandem.generation import SamplingParams, group_rollouts, hf_generator, make_generator
 from tandem.generation.hf_generator import HfGenerator, filter_logits
@@ -271,7 +271,7 @@ def test_grouped_heads_are_attended_in_place_on_cpu(
     try:
         copied = generator.generate(ids, params)
     finally:
-        generator.model.set_attn_implementation(CPU_GQA_SDPA)
+        generator.model.set_attn_implementation(GQA_SDPA)
     assert copies > 0  # the reference did take transformers' copying path
     assert [r.response_token_ids for r in in_place] == [r.response_token_ids for r in copied]
     for a, b in zip(in_place, copied, strict=True):
@@ -341,3 +341,70 @@ def test_stopped_rows_leave_the_static_cache_decode(
     assert [r.finish_reason for r in compacted] == [r.finish_reason for r in whole]
     for c, w in zip(compacted, whole, strict=True):
         assert c.response_logprobs == pytest.approx(w.response_logprobs, abs=1e-5)
+
+
+def test_the_static_decode_reads_the_cache_in_windows_with_the_whole_reads_samples(
+    generator: HfGenerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step of the static decode attends over the positions written so far rounded up to
+    a bucket (``static_decode.CACHE_BUCKET``), not the whole cache: the same tokens and
+    logprobs (within 1e-5, fp32) as a decode that reads the whole cache every step."""
+    from tandem.generation import static_decode
+    from tandem.generation.kv_cache import WindowedLayer
+
+    reads: list[tuple[int, int]] = []  # (positions read, last position written + 1)
+    update = WindowedLayer.update
+
+    def recorded(self: WindowedLayer, *args: object, **kwargs: object) -> object:
+        out = update(self, *args, **kwargs)  # type: ignore[arg-type]
+        reads.append((self.keys.shape[-2], int(self.window.positions.max()) + 1))
+        return out
+
+    monkeypatch.setattr(WindowedLayer, "update", recorded)
+    ids = _prompt_ids(generator)
+    # hot enough that some of the trained model's answers run on (lengths 2-12)
+    params = SamplingParams(temperature=2.0, max_tokens=12, n=3, seed=5)
+    generator.static_cache = True
+    try:
+        monkeypatch.setattr(static_decode, "CACHE_BUCKET", 4)
+        windowed = generator.generate(ids, params)
+        windowed_reads, reads[:] = list(reads), []
+        monkeypatch.setattr(static_decode, "CACHE_BUCKET", 1 << 20)
+        whole = generator.generate(ids, params)
+    finally:
+        generator.static_cache = False
+    width = max(len(p) for p in ids)
+    capacity = width + params.max_tokens
+    assert {read for read, _ in reads} == {width, capacity}  # the prefill, then everything
+    layers = generator.model.config.num_hidden_layers
+    steps = windowed_reads[layers::layers]  # each step's first layer, after the prefill's
+    assert len(steps) > 4 and all(
+        read == min(capacity, -(-needed // 4) * 4) for read, needed in steps
+    )
+    assert len({read for read, _ in steps}) > 2  # the window grew during the decode
+    assert [r.response_token_ids for r in windowed] == [r.response_token_ids for r in whole]
+    for w, a in zip(windowed, whole, strict=True):  # (the whole read's against a forward:
+        # test_static_cache_decode_matches_the_dynamic_cache)
+        assert w.response_logprobs == pytest.approx(a.response_logprobs, abs=1e-5)
+
+
+def test_folded_decode_attention_equals_attention_over_repeated_heads() -> None:
+    """A decode step's grouped query heads folded into rows of their key/value head give the
+    attention over keys and values copied per query head (transformers' way), masked rows
+    included."""
+    from tandem.attention import folded_decode_attention
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 6, 1, 8, generator=generator)
+    key, value = torch.randn(2, 3, 2, 10, 8, generator=generator)
+    mask = torch.ones(3, 1, 1, 10, dtype=torch.bool)
+    mask[0, ..., :4] = False  # left padding
+    mask[2, ..., 7:] = False
+    repeated = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), attn_mask=mask
+    )
+    folded = folded_decode_attention(query, key, value, mask, None)
+    assert folded.shape == repeated.shape
+    assert torch.allclose(folded, repeated, atol=1e-6)
+    unmasked = folded_decode_attention(query, key, value, None, 0.5)
+    assert not torch.allclose(unmasked, folded, atol=1e-3)  # the mask did something

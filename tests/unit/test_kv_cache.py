@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from tandem.generation.kv_cache import GrowingLayer, growing_cache
+from tandem.generation.kv_cache import CacheWindow, GrowingLayer, WindowedLayer, growing_cache
 
 
 def test_a_layer_writes_each_step_in_place_and_shows_the_positions_so_far() -> None:
@@ -42,3 +42,23 @@ def test_a_cache_only_for_models_of_full_attention() -> None:
         num_hidden_layers=2, use_sliding_window=True, sliding_window=4, max_window_layers=0
     )
     assert growing_cache(windowed, 16) is None
+
+
+def test_a_windowed_layer_writes_at_the_window_positions_and_shows_its_length() -> None:
+    window = CacheWindow(torch.arange(3), 3)
+    layer = WindowedLayer(capacity=10, window=window)
+    prompt = torch.randn(2, 2, 3, 4)
+    keys, _ = layer.update(prompt, prompt)
+    assert keys.shape == (2, 2, 3, 4) and torch.equal(keys, prompt)
+    assert layer.storage is not None
+    address = layer.storage[0].data_ptr()
+    window.positions, window.length = torch.tensor([3]), 8  # a step, its window a bucket
+    step = torch.randn(2, 2, 1, 4)
+    keys, values = layer.update(step, step + 1)
+    assert keys.shape == (2, 2, 8, 4) and keys.data_ptr() == address  # a view, no copy
+    assert torch.equal(values[:, :, 3:4], step + 1) and not keys[:, :, 4:].any()
+    layer.batch_select_indices(torch.tensor([1]))
+    assert layer.keys.shape == (1, 2, 10, 4) and torch.equal(layer.keys[0, :, 3:4], step[1])
+    window.positions = torch.tensor([4])
+    keys, _ = layer.update(step[:1], step[:1])
+    assert keys.shape == (1, 2, 8, 4) and torch.equal(keys[0, :, :3], prompt[1])

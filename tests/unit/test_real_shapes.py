@@ -85,3 +85,39 @@ def test_a_random_policy_stops_at_spread_lengths(model_dir: Path) -> None:
     stopped = sum(r.finish_reason == "stop" for r in rollouts)
     assert 6 <= stopped < len(rollouts) or lengths[0] < 40 < lengths[-1]
     assert lengths[-1] - lengths[0] >= 60, lengths  # from short to long in one batch
+
+
+def test_finished_rows_leave_the_windowed_static_decode_at_the_real_vocabulary(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU's decode path (static cache read in windows; graphs aside) on the real 0.5B
+    width and vocabulary with spread lengths: the batch shrinks as rows finish, and the samples
+    are those of a decode that keeps every row and reads the whole cache every step."""
+    from tandem.generation import hf_generator, static_decode
+    from tandem.generation.base import SamplingParams
+    from tandem.generation.hf_generator import HfGenerator
+
+    generator = HfGenerator(model_dir)
+    generator.static_cache = True
+    prompts = [generator.tokenizer.encode(p) for p in ("Solve 3 + 4 =", "What is 12 * 9?")]
+    params = SamplingParams(n=4, max_tokens=48, seed=1)
+    rows: list[int] = []
+
+    def record(_module: object, _args: object, kwargs: dict) -> None:
+        rows.append(kwargs["input_ids"].shape[0])
+
+    generator.model.register_forward_pre_hook(record, with_kwargs=True)
+    monkeypatch.setattr(static_decode, "CACHE_BUCKET", 32)
+    compacted = generator.generate(prompts, params)
+    compacted_rows, rows[:] = list(rows), []
+    monkeypatch.setattr(static_decode, "CACHE_BUCKET", 1 << 20)
+    monkeypatch.setattr(hf_generator, "COMPACT_AT", 0.0)
+    whole = generator.generate(prompts, params)
+    lengths = sorted(len(r.response_token_ids) for r in whole)
+    assert lengths[0] < 8 and lengths[-1] == 48, lengths  # spread
+    assert set(rows) == {8}
+    assert compacted_rows[0] == 8 and compacted_rows == sorted(compacted_rows, reverse=True)
+    assert sum(compacted_rows) < 0.8 * sum(rows)  # finished rows stopped computing
+    assert [r.response_token_ids for r in compacted] == [r.response_token_ids for r in whole]
+    for c, w in zip(compacted, whole, strict=True):
+        assert c.response_logprobs == pytest.approx(w.response_logprobs, abs=1e-5)

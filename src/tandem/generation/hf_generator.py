@@ -12,19 +12,19 @@ in ``generate``; rows that finished leave the batch (``COMPACT_AT``). Each step 
 generator's ``WeightGate``: when a refit landed since the previous step, the batch is prefilled
 again (prompts and the tokens so far) with the new weights before it goes on.
 
-On a GPU the decode steps run over a static KV cache with a prepared attention mask, and each
-step after the first is one CUDA graph replay: a small model's decode step is otherwise bound by
-the launch of its hundreds of kernels, not by the GPU. When rows leave, the cache keeps only the
-others and the graph is captured again for the smaller batch.
+On a GPU the decode steps run over a static KV cache with a prepared attention mask, read in
+windows of the positions written so far (``static_decode``), and each step is one CUDA graph
+replay: a small model's decode step is otherwise bound by the launch of its hundreds of
+kernels, not by the GPU. When rows leave, the cache keeps only the others and the graph is
+captured again for the smaller batch.
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
-import logging
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,21 +33,19 @@ import torch
 from torch import nn
 
 from tandem.adapters import is_adapter_name
+from tandem.data.images import ImagePrompt, RowImages
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
 from tandem.generation.hf_adapters import PeftAdapter
+from tandem.generation.hf_vision import ImagePrefill, load_generation_model
 from tandem.generation.packed_linear import pack_linears
+from tandem.generation.static_decode import Decoder, StaticDecode
 from tandem.tensors import TargetRuns, device_copies
 from tandem.tensors.devices import DTYPES
 
-log = logging.getLogger(__name__)
-
-
 COMPACT_AT = 0.75
 """The decode drops its stopped rows (their KV cache with them) once the rows still decoding
-are this fraction of the batch or fewer: each step then computes only those."""
-COMPACT_AT_GRAPHS = 0.5
-"""``COMPACT_AT`` where decode steps replay a CUDA graph: each compaction captures the graph
-again for the smaller batch, so it waits for half the rows."""
+are this fraction of the batch or fewer: each step then computes only those. Under CUDA graphs
+each compaction captures the step again for the smaller batch (milliseconds)."""
 SAMPLE_BLOCK = 1 << 22
 """fp32 elements of the block of rows that sampling takes at a time on a CPU (16 MiB): the
 batch's logits stay in the model's dtype, only one block of rows is ever copied to fp32."""
@@ -56,14 +54,11 @@ SAMPLE_BLOCK_CUDA = 1 << 26
 costs more in kernel launches than the fp32 copy saves (3.15 ms for 256 rows in blocks of 27
 on an H200, against 0.86 ms for softmax + multinomial over the whole batch)."""
 
-Decoder = tuple[
-    torch.Tensor,
-    Callable[[torch.Tensor, int], torch.Tensor],
-    Callable[[torch.Tensor], None] | None,
-]
-"""A decode under way: the next logits, ``advance(token, step)`` (feeds the batch's tokens,
-returns the next logits) and ``keep(index)`` (decode only those rows from now on; None where
-the batch cannot shrink)."""
+
+def _own_prompt(prompt: list[int]) -> list[int]:
+    """A rollout's copy of its prompt: an image prompt itself (its images go on to the
+    trainer's batch), a text prompt as a plain list."""
+    return prompt if isinstance(prompt, ImagePrompt) else list(prompt)
 
 
 def _pick(tensor: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -179,22 +174,6 @@ def sample_tokens(
     return torch.cat(tokens), torch.cat(logprobs)
 
 
-def rows_selectable(cache: Any) -> bool:
-    """Whether ``select_static_rows`` can shrink ``cache``: its layers hold their key/value
-    tensors as ``keys``/``values`` (transformers 5's ``StaticCache`` after the prefill)."""
-    layers = getattr(cache, "layers", None) or []
-    return bool(layers) and all(hasattr(layer, "keys") for layer in layers)
-
-
-def select_static_rows(cache: Any, index: torch.Tensor) -> None:
-    """Keep rows ``index`` of a transformers ``StaticCache`` (new, smaller key/value
-    tensors; the old ones are freed)."""
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[index], layer.values[index]
-        if hasattr(layer, "batch_size"):
-            layer.batch_size = len(index)
-
-
 class HfGenerator(Generator):
     """Generates with a transformers ``AutoModelForCausalLM`` in this process."""
 
@@ -206,17 +185,19 @@ class HfGenerator(Generator):
         max_batch_size: int = 256,
         cuda_graphs: bool = True,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} (got {dtype!r})")
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
-        if self.device.type == "cpu" and self.model.config._attn_implementation == "sdpa":
-            from tandem.attention import register_cpu_gqa_sdpa
+        self.model = load_generation_model(str(model_path), DTYPES[dtype])
+        self.vision = hasattr(getattr(self.model, "model", None), "visual")
+        """A vision-language model: its batches go through ``hf_vision.ImagePrefill``."""
+        if self.model.config._attn_implementation == "sdpa":
+            from tandem.attention import register_gqa_sdpa
 
-            self.model.set_attn_implementation(register_cpu_gqa_sdpa())
+            self.model.set_attn_implementation(register_gqa_sdpa())
         # The parameters back to back in one allocation, as a trainer's after onload(): a refit
         # then copies runs of them at once (tensors.copies).
         params = list(self.model.parameters())
@@ -261,7 +242,7 @@ class HfGenerator(Generator):
                 rollouts.append(
                     Rollout(
                         prompt_index=i,
-                        prompt_token_ids=list(prompt_token_ids[i]),
+                        prompt_token_ids=_own_prompt(prompt_token_ids[i]),
                         response_token_ids=sample.tokens,
                         response_text=sample.text,
                         response_logprobs=sample.logprobs,
@@ -278,7 +259,7 @@ class HfGenerator(Generator):
     ) -> list[_Sample]:
         """Decode a left-padded batch on the device: one host sync per step (the "all done"
         check), as ``transformers.generate``; once enough rows have finished
-        (``_compact_at``) they leave the batch with their KV cache, so a long straggler
+        (``COMPACT_AT``) they leave the batch with their KV cache, so a long straggler
         decodes alone. Stop strings need the text, so with ``params.stop`` the new tokens come to
         the host every step."""
         size, width = len(prompts), max(len(p) for p in prompts)
@@ -289,6 +270,7 @@ class HfGenerator(Generator):
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             valid[row, width - len(prompt) : width] = True
         input_ids, valid = input_ids.to(self.device), valid.to(self.device)
+        images = RowImages.of(prompts)
         keys = sample_keys(seeds, self.device)
         eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=self.device)
         tokens = torch.full((size, steps), self.pad_token_id, dtype=torch.long, device=self.device)
@@ -307,6 +289,7 @@ class HfGenerator(Generator):
                         _pick(valid, rows),
                         _pick(tokens, rows)[:, :step],
                         steps,
+                        images if images is None or rows is None else images.select(rows.cpu()),
                     )
                     first = step
                 else:
@@ -327,48 +310,77 @@ class HfGenerator(Generator):
                 break
             if keep is not None:  # drop the stopped rows once they are a part of the batch
                 live = ~_pick(stopped, rows)
-                if int(live.sum()) <= len(live) * self._compact_at():
+                if int(live.sum()) <= len(live) * COMPACT_AT:
                     index = live.nonzero().flatten()
                     keep(index)
                     rows = _pick(torch.arange(size, device=self.device), rows)[index]
         return self._samples(tokens, logprobs, lengths, stopped, stop_cut, versions)
 
     def _prefill(
-        self, input_ids: torch.Tensor, valid: torch.Tensor, generated: torch.Tensor, steps: int
+        self,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor,
+        generated: torch.Tensor,
+        steps: int,
+        images: RowImages | None = None,
     ) -> Decoder:
         """Prefill the prompts and the ``generated`` tokens so far (after new weights landed:
         the KV cache is recomputed with them): the decode from here (its steps counted from
-        here)."""
+        here). A vision-language model prefills through ``ImagePrefill`` (the rows' ``images``,
+        multimodal positions)."""
         width, done = input_ids.shape[1], generated.shape[1]
         if done:
             input_ids = torch.cat([input_ids, generated], dim=1)
             valid = valid.clone()
             valid[:, width : width + done] = True  # finished rows' padding, as decoded
         position_ids = (valid[:, : width + done].long().cumsum(-1) - 1).clamp(min=0)
-        decoder = self._static_decoder if self.static_cache else self._dynamic_decoder
-        return decoder(input_ids, valid, position_ids, steps - done)
+        model: Any = self.model
+        if self.vision:
+            model = ImagePrefill(self.model, images)
+            position_ids = model.prefill_positions(input_ids, valid[:, : width + done])
+        if self.static_cache:
+            decode = StaticDecode(model, self._cache_position, self.cuda_graphs)
+            decode.on_capture_failure = self._no_graphs
+            decoder = decode.prefill(input_ids, valid, position_ids, steps - done)
+            if decoder is not None:
+                return decoder
+        return self._dynamic_decoder(input_ids, valid, position_ids, steps - done, model)
+
+    def _no_graphs(self) -> None:
+        """A capture failed: this generator decodes without CUDA graphs from now on."""
+        self.cuda_graphs = False
 
     def _dynamic_decoder(
-        self, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor, steps: int
+        self,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor,
+        position_ids: torch.Tensor,
+        steps: int,
+        model: Any = None,
     ) -> Decoder:
         """Prefill, then one model call per token over a cache that grows in place
         (``kv_cache.growing_cache``; transformers' dynamic cache where that has none). Rows that
         repeat a prompt (``n`` samples of it) are prefilled once and the cache and logits copied
-        to each; ``keep`` selects rows of the cache, the mask and the positions."""
+        to each (not for image prompts, whose rows may share tokens but not images: ``model``,
+        an ``ImagePrefill``, runs each image through the tower once); ``keep`` selects rows of
+        the cache, the mask and the positions."""
         from tandem.generation.kv_cache import growing_cache
 
         size, width = input_ids.shape
         attention_mask = valid.long()
-        # the same tokens at the same real positions: the same prefill
-        keyed = torch.where(valid[:, :width], input_ids, -1)
-        unique, inverse = torch.unique(keyed, dim=0, return_inverse=True)
-        first = torch.full((len(unique),), size, device=self.device)
-        first.scatter_reduce_(0, inverse, torch.arange(size, device=self.device), "amin")
-        out = self.model(
+        if model is None or model is self.model:  # the same tokens at the same real
+            model = self.model  # positions: the same prefill
+            keyed = torch.where(valid[:, :width], input_ids, -1)
+            unique, inverse = torch.unique(keyed, dim=0, return_inverse=True)
+            first = torch.full((len(unique),), size, device=self.device)
+            first.scatter_reduce_(0, inverse, torch.arange(size, device=self.device), "amin")
+        else:
+            first = inverse = torch.arange(size, device=self.device)
+        out = model(
             input_ids=input_ids[first],
             attention_mask=attention_mask[first, :width],
             position_ids=position_ids[first],
-            past_key_values=growing_cache(self.model.config, width + steps),
+            past_key_values=growing_cache(model.config, width + steps),
             use_cache=True,
             logits_to_keep=1,
         )
@@ -379,7 +391,7 @@ class HfGenerator(Generator):
         def advance(token: torch.Tensor, step: int) -> torch.Tensor:
             state["mask"][:, width + step] = 1
             state["position"] = state["position"] + 1
-            out = self.model(
+            out = model(
                 input_ids=token[:, None],
                 attention_mask=state["mask"][:, : width + step + 1],
                 position_ids=state["position"],
@@ -395,92 +407,9 @@ class HfGenerator(Generator):
 
         return out.logits[inverse, -1, :], advance, keep
 
-    def _static_decoder(
-        self, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor, steps: int
-    ) -> Decoder:
-        """As ``_dynamic_decoder`` over a static cache of ``width + steps`` positions with
-        prepared boolean masks (a key is seen when it is a real token at or before the query; a
-        padding query sees itself, so no row is empty). Every decode step reads the same input
-        buffers, so on a GPU the steps after the first replay one captured CUDA graph."""
-        from transformers import StaticCache
-
-        size, width = input_ids.shape
-        length = width + steps
-        cache = StaticCache(config=self.model.config, max_cache_len=length)
-        key = torch.arange(length, device=self.device)
-        query = torch.arange(width, device=self.device)
-        prefill_mask = (key[None, :] <= query[:, None])[None] & valid[:, None, :]
-        prefill_mask |= key[None, :] == query[:, None]  # [B, width, length]
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=prefill_mask[:, None],
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            **self._cache_position(torch.arange(width, device=self.device)),
-        )
-        # The decode step's inputs: written before each step, read by the graph.
-        state = {
-            "token": torch.zeros((size, 1), dtype=torch.long, device=self.device),
-            "position": position_ids[:, -1:].clone(),
-            "mask": valid[:, None, None, :].clone(),  # [B, 1, 1, length]
-            "cache_position": torch.full((1,), width, dtype=torch.long, device=self.device),
-        }
-
-        def forward() -> torch.Tensor:
-            out = self.model(
-                input_ids=state["token"],
-                attention_mask=state["mask"],
-                position_ids=state["position"],
-                past_key_values=cache,
-                use_cache=True,
-                **self._cache_position(state["cache_position"]),
-            )
-            return out.logits[:, -1, :]
-
-        graph: dict[str, Any] = {}
-
-        def advance(token: torch.Tensor, step: int) -> torch.Tensor:
-            state["token"].copy_(token[:, None])
-            state["position"].add_(1)
-            state["mask"][..., width + step] = True
-            state["cache_position"].fill_(width + step)
-            # a batch's first step runs eagerly: it also warms the kernels up for the capture
-            if self.cuda_graphs and "logits" not in graph:
-                if graph.pop("warm", False):
-                    self._capture(forward, graph)  # records the step; runs nothing
-                else:
-                    graph["warm"] = True
-            if "logits" in graph:
-                graph["graph"].replay()
-                return graph["logits"].clone()
-            return forward()
-
-        def keep(index: torch.Tensor) -> None:
-            select_static_rows(cache, index)
-            for name in ("token", "position", "mask"):
-                state[name] = state[name][index]
-            graph.clear()  # captured for the larger batch; its memory goes with it
-
-        return out.logits[:, -1, :], advance, keep if rows_selectable(cache) else None
-
     def _cache_position(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """``cache_position`` for the transformers releases whose models still take it."""
         return {"cache_position": positions} if self._takes_cache_position else {}
-
-    def _capture(self, forward: Callable[[], torch.Tensor], graph: dict[str, Any]) -> None:
-        """Capture ``forward`` as a CUDA graph into ``graph`` (its outputs are then the graph's
-        static tensors); where the model cannot be captured, decode eagerly from now on."""
-        cuda_graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(cuda_graph):
-                logits = forward()
-        except RuntimeError as err:  # a host sync or an uncapturable kernel in the model
-            log.warning("hf generator: decoding without CUDA graphs (capture failed: %s)", err)
-            self.cuda_graphs = False
-            return
-        graph.update(graph=cuda_graph, logits=logits)
 
     def _cut_stop_strings(
         self,
@@ -521,10 +450,6 @@ class HfGenerator(Generator):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step's tokens and their logprobs (``sample_tokens``)."""
         return sample_tokens(logits, keys, step, params)
-
-    def _compact_at(self) -> float:
-        """The fraction of rows left at which the decode drops its stopped rows."""
-        return COMPACT_AT_GRAPHS if self.cuda_graphs else COMPACT_AT
 
     def _decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))

@@ -1,4 +1,4 @@
-"""A transformers KV cache for the CPU decode of ``HfGenerator``: storage for the whole decode
+"""transformers KV caches of ``HfGenerator``'s decode. For the CPU: storage for the whole decode
 is allocated once, and each step writes its keys and values in place.
 
 transformers' ``DynamicCache`` concatenates a new copy of every layer's cache at every step:
@@ -64,3 +64,63 @@ def growing_cache(config: Any, capacity: int) -> Cache | None:
     if not full_attention_only(config):
         return None
     return Cache(layers=[GrowingLayer(capacity) for _ in range(config.num_hidden_layers)])
+
+
+class CacheWindow:
+    """Where the layers of a ``windowed_cache`` write and how much of it attention reads: the
+    next call's ``positions`` (a device tensor the decode updates in place, so a captured CUDA
+    graph reads it) and ``length``, the positions read from the start (a Python int: each
+    value is its own shape, so its own graph)."""
+
+    def __init__(self, positions: torch.Tensor, length: int) -> None:
+        self.positions = positions
+        self.length = length
+
+
+class WindowedLayer(DynamicLayer):
+    """Storage for ``capacity`` positions allocated at the first call (a static cache: its
+    address never moves, so CUDA graphs can replay over it); ``update`` writes the new keys and
+    values at ``window.positions`` and returns the first ``window.length`` positions, so
+    attention reads the part written so far (in buckets), not the whole capacity."""
+
+    def __init__(self, capacity: int, window: CacheWindow) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.window = window
+        self.storage: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.storage is None:
+            self.lazy_initialization(key_states, value_states)
+            rows, heads, _, dim = key_states.shape
+            self.storage = (
+                key_states.new_zeros(rows, heads, self.capacity, dim),
+                value_states.new_zeros(rows, value_states.shape[1], self.capacity, dim),
+            )
+        keys, values = self.storage
+        keys.index_copy_(2, self.window.positions, key_states)
+        values.index_copy_(2, self.window.positions, value_states)
+        length = self.window.length
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows ``indices`` (new, smaller storage; the old is freed with its last view)."""
+        if self.storage is None:
+            return
+        self.storage = (self.storage[0][indices], self.storage[1][indices])
+        self.keys, self.values = self.storage
+
+    def get_seq_length(self) -> int:
+        return self.window.length if self.storage is not None else 0
+
+
+def windowed_cache(config: Any, capacity: int, window: CacheWindow) -> Cache | None:
+    """A cache of ``WindowedLayer``s sharing ``window``, or None where the model's layers are
+    not all full attention."""
+    if not full_attention_only(config):
+        return None
+    layers: list[Any] = [WindowedLayer(capacity, window) for _ in range(config.num_hidden_layers)]
+    return Cache(layers=layers)

@@ -1,0 +1,149 @@
+"""``HfGenerator``'s decode over a static KV cache read in windows (the GPU path): storage for
+the whole decode allocated once (``kv_cache.WindowedLayer``), written in place, and each step
+attends over the positions written so far rounded up to a bucket of ``CACHE_BUCKET`` positions,
+not over the whole capacity. Each step's inputs live in fixed device buffers, so on a GPU a
+step replays a CUDA graph; one graph is captured per (rows, bucket), i.e. again every
+``CACHE_BUCKET`` steps and when finished rows leave the batch.
+
+Grouped key/value heads are attended in place (``attention.register_gqa_sdpa``: a decode step's
+query heads fold into rows of their key/value head), so no step copies the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tandem.generation.kv_cache import CacheWindow, windowed_cache
+
+log = logging.getLogger(__name__)
+
+CACHE_BUCKET = 256
+"""Positions by which a decode step's attention window grows: a step reads at most this many
+positions beyond the last one written (about 10 % more than needed at a 2k-token context), and
+the graphs of a decode of ``S`` steps are captured ``S / CACHE_BUCKET`` times."""
+
+Decoder = tuple[
+    torch.Tensor,
+    Callable[[torch.Tensor, int], torch.Tensor],
+    Callable[[torch.Tensor], None] | None,
+]
+"""A decode under way: the next logits, ``advance(token, step)`` (feeds the batch's tokens,
+returns the next logits) and ``keep(index)`` (decode only those rows from now on; None where
+the batch cannot shrink)."""
+
+
+def window_length(needed: int, capacity: int, bucket: int) -> int:
+    """The positions a step reads: ``needed`` rounded up to a multiple of ``bucket``, at most
+    ``capacity``."""
+    return min(capacity, -(-needed // bucket) * bucket)
+
+
+def capture(forward: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor] | None:
+    """``forward`` captured as a CUDA graph: (the graph, its static logits), or None where the
+    model cannot be captured (a host sync or an uncapturable kernel)."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            logits = forward()
+    except RuntimeError as err:
+        log.warning("hf generator: decoding without CUDA graphs (capture failed: %s)", err)
+        return None
+    return graph, logits
+
+
+class StaticDecode:
+    """One decode over a windowed static cache: ``prefill`` runs the prompts, ``advance`` one
+    step (a graph replay where ``graphs``), ``keep`` drops rows. ``graphs`` turns False for
+    good when a capture fails (the generator reads it back)."""
+
+    def __init__(self, model: Any, cache_position: Callable[[torch.Tensor], dict], graphs: bool):
+        self.model = model
+        self.cache_position = cache_position
+        self.graphs = graphs
+        self.on_capture_failure: Callable[[], None] = lambda: None
+        self.bucket = CACHE_BUCKET
+        self.graph: tuple[Any, torch.Tensor] | None = None
+        self.graph_shape: tuple[int, int] | None = None
+        self.warm = False
+
+    def prefill(
+        self, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor, steps: int
+    ) -> Decoder | None:
+        """Prefill the left-padded ``input_ids`` (a key is seen when it is a real token at or
+        before the query; a padding query sees itself, so no row is empty); None where the
+        model's attention is not all full attention (the caller decodes otherwise)."""
+        device = input_ids.device
+        size, width = input_ids.shape
+        self.width, self.capacity = width, width + steps
+        self.window = CacheWindow(torch.arange(width, device=device), width)
+        cache = windowed_cache(self.model.config, self.capacity, self.window)
+        if cache is None:
+            return None
+        self.cache = cache
+        key = torch.arange(width, device=device)
+        prefill_mask = (key[None, :] <= key[:, None])[None] & valid[:, None, :width]
+        prefill_mask |= key[None, :] == key[:, None]  # [B, width, width]
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=prefill_mask[:, None],
+            position_ids=position_ids,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **self.cache_position(self.window.positions),
+        )
+        # The decode step's inputs: written before each step, read by the graph.
+        self.window.positions = torch.full((1,), width, dtype=torch.long, device=device)
+        self.token = torch.zeros((size, 1), dtype=torch.long, device=device)
+        self.position = position_ids[:, -1:].clone()
+        self.mask = valid[:, None, None, :].clone()  # [B, 1, 1, capacity]
+        return out.logits[:, -1, :], self.advance, self.keep
+
+    def forward(self) -> torch.Tensor:
+        """One decode step over the current window (what a graph records)."""
+        out = self.model(
+            input_ids=self.token,
+            attention_mask=self.mask[..., : self.window.length],
+            position_ids=self.position,
+            past_key_values=self.cache,
+            use_cache=True,
+            **self.cache_position(self.window.positions),
+        )
+        return out.logits[:, -1, :]  # type: ignore[no-any-return]
+
+    def advance(self, token: torch.Tensor, step: int) -> torch.Tensor:
+        written = self.width + step  # the position this step writes
+        self.token.copy_(token[:, None])
+        self.position.add_(1)
+        self.mask[..., written] = True
+        self.window.positions.fill_(written)
+        self.window.length = window_length(written + 1, self.capacity, self.bucket)
+        if not self.graphs:
+            return self.forward()
+        shape = (len(self.token), self.window.length)
+        if self.graph_shape != shape:
+            self.graph, self.graph_shape = None, shape  # its memory goes with it
+            if not self.warm:  # the decode's first step runs eagerly: it warms the kernels up
+                self.warm = True
+                return self.forward()
+            self.graph = capture(self.forward)  # records the step; runs nothing
+            if self.graph is None:
+                self.graphs = False
+                self.on_capture_failure()
+                return self.forward()
+        assert self.graph is not None
+        self.graph[0].replay()
+        return self.graph[1].clone()
+
+    def keep(self, index: torch.Tensor) -> None:
+        self.cache.batch_select_indices(index)
+        self.token, self.position, self.mask = (
+            self.token[index],
+            self.position[index],
+            self.mask[index],
+        )
+        self.graph = self.graph_shape = None  # captured for the larger batch
