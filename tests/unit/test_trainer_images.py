@@ -33,7 +33,8 @@ def image_batch(count: int = 6) -> TrainBatch:
 
 
 def reference_logprobs(batch: TrainBatch) -> torch.Tensor:
-    """Each row alone, unpadded, through transformers' own forward and a full log-softmax."""
+    """Each row alone, unpadded, through transformers' own forward (its multimodal rotary
+    positions) and a full log-softmax."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(VISUAL_MODEL_DIR).eval()
@@ -45,10 +46,11 @@ def reference_logprobs(batch: TrainBatch) -> torch.Tensor:
         images = batch.images.rows[row]
         assert images is not None
         with torch.no_grad():
-            logits = model(
+            logits = model(  # its own multimodal positions, from the token types
                 input_ids=ids,
                 pixel_values=images.pixel_values,
                 image_grid_thw=images.image_grid_thw,
+                mm_token_type_ids=(ids == model.config.image_token_id).int(),
             ).logits.float()
         picked = logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
         out[row, 1:length] = picked

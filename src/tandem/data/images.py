@@ -157,3 +157,25 @@ def is_vision_model(model_path: Path) -> bool:
 
     config = Path(model_path) / "config.json"
     return config.is_file() and "vision_config" in json.loads(config.read_text())
+
+
+def rope_positions(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    images: ImageInputs | None,
+) -> torch.Tensor:
+    """``[3, B, T]`` multimodal rotary positions of a Qwen2-VL-family ``model`` (the
+    ``...ForConditionalGeneration``) for ``input_ids`` whose image tokens belong to ``images``
+    in row order: the model's own ``get_rope_index``, given the token types it needs (image
+    tokens 1, text 0). Text tokens share one position on the three axes, the first after an
+    image being the image's largest plus one; padding (``attention_mask`` 0) gets position 1.
+    Computed here rather than left to the forward, which falls back to 1D positions when it
+    gets no token types and keeps state between calls."""
+    body = model.model
+    token_types = (input_ids == model.config.image_token_id).int()
+    grid = None if images is None else images.image_grid_thw.to(input_ids.device)
+    positions, _ = body.get_rope_index(
+        input_ids, token_types, image_grid_thw=grid, attention_mask=attention_mask
+    )
+    return positions  # type: ignore[no-any-return]

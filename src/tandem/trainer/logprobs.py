@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.data.images import ImageInputs
+from tandem.data.images import ImageInputs, rope_positions
 
 MAX_CHUNK_LOGITS = 1 << 26
 """Most logits (tokens x vocabulary) one chunk computes: 256 MiB in fp32, so a 151,936-token
@@ -178,9 +178,11 @@ class LogprobModel(nn.Module):
         else:
             body_mask = attention_mask
         if hasattr(lm.model, "visual"):
+            assert position_ids is None, "vision-language batches are not packed"
             pixels = {} if images is None else vision_kwargs(images)
+            positions = rope_positions(lm, input_ids, attention_mask, images)
             hidden = lm.model(
-                input_ids=input_ids, attention_mask=body_mask, position_ids=position_ids, **pixels
+                input_ids=input_ids, attention_mask=body_mask, position_ids=positions, **pixels
             ).last_hidden_state
         else:
             hidden = lm.get_decoder()(

@@ -1,0 +1,62 @@
+"""The transformers generator on image prompts: the trainer's logprobs of its samples (fp32,
+within 1e-5), transformers' own greedy decode, per-sample seeds that do not depend on the
+batch, and rollouts that carry their images to the trainer's batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_trainer_images import _prompts
+
+from tandem.algorithms.rollouts import rollouts_to_batch
+from tandem.assets import VISUAL_MODEL_DIR
+from tandem.config.models import PolicyConfig
+from tandem.data.images import ImagePrompt
+from tandem.generation.base import SamplingParams
+from tandem.generation.hf_generator import HfGenerator
+from tandem.trainer import PolicyTrainer
+
+
+@pytest.fixture(scope="module")
+def generator() -> HfGenerator:
+    return HfGenerator(VISUAL_MODEL_DIR, max_batch_size=8)
+
+
+def test_the_trainer_scores_the_samples_as_the_generator_did(generator: HfGenerator) -> None:
+    prompts = _prompts(3)
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=4, seed=11)
+    rollouts = generator.generate(prompts, params)  # 12 rows: batches of 8 and 4
+    assert all(isinstance(r.prompt_token_ids, ImagePrompt) for r in rollouts)
+    batch = rollouts_to_batch(rollouts, pad_token_id=256)
+    assert batch.images is not None and batch.generator_logprobs is not None
+    trainer = PolicyTrainer(PolicyConfig(model_path=VISUAL_MODEL_DIR, micro_batch_size=5))
+    gap = (trainer.logprobs(batch) - batch.generator_logprobs).abs() * batch.loss_mask
+    assert batch.loss_mask.sum() >= 12 and float(gap.max()) <= 1e-5
+
+
+def test_greedy_decoding_matches_transformers_generate(generator: HfGenerator) -> None:
+    prompts = _prompts(2)
+    params = SamplingParams(temperature=0.0, max_tokens=5, n=1, seed=0)
+    ours = [r.response_token_ids for r in generator.generate(prompts, params)]
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        ids = torch.tensor([list(prompt)])
+        out = generator.model.generate(
+            input_ids=ids,
+            pixel_values=prompt.images.pixel_values,
+            image_grid_thw=prompt.images.image_grid_thw,
+            mm_token_type_ids=(ids == 259).int(),
+            max_new_tokens=5,
+            do_sample=False,
+        )
+        expected = out[0, ids.shape[1] :].tolist()
+        assert tokens == expected[: len(tokens)] and len(tokens) >= 1
+
+
+def test_a_sample_does_not_depend_on_the_batch_around_it(generator: HfGenerator) -> None:
+    prompts = _prompts(3)
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=5)
+    together = generator.generate(prompts, params)
+    alone = generator.generate(prompts[:1], params)
+    for a, b in zip(alone, together[:2], strict=True):
+        assert a.response_token_ids == b.response_token_ids
+        assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-6)
