@@ -8,6 +8,7 @@ Every rank of a data-parallel group constructs one and calls the same methods in
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,6 +193,17 @@ class PolicyTrainer:
         filler_mb = MicroBatch(torch.tensor([0]), filler)
         return local + [(filler_mb, False)] * (most - len(local))
 
+    def _on_device(self, mb: MicroBatch) -> MicroBatch:
+        """``mb`` with its tensors on the device (``rows`` stay on the host)."""
+        packed = mb.packed
+        if packed is not None:
+            moved: dict[str, Any] = {}
+            for field in dataclasses.fields(packed):
+                value = getattr(packed, field.name)
+                moved[field.name] = None if value is None else value.to(self.device)
+            packed = dataclasses.replace(packed, **moved)
+        return MicroBatch(mb.rows, mb.batch.to(self.device), packed)
+
     def _forward(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Token logprobs and entropies ``[b, T]`` of the micro-batch's (trimmed) layout."""
         if mb.packed is None:
@@ -267,14 +279,17 @@ class PolicyTrainer:
         counts = torch.tensor([mask.sum().item(), (mask.sum(-1) > 0).sum().item()])
         num_tokens, num_sequences = self._all_reduce(counts.double()).tolist()
         sums: dict[str, torch.Tensor] = {}
-        for mb, _ in self._micro_batches(batch):
+        # Every micro-batch on the device before the first forward, and the metrics summed
+        # there: a copy from pageable host memory (either way) waits for the device's queue to
+        # drain, which once per micro-batch kept the host from queueing ahead.
+        for mb in [self._on_device(mb) for mb, _ in self._micro_batches(batch)]:
             logprobs, entropy = self._forward(mb, with_entropy)
             extra = {"entropy": entropy} if with_entropy else {}
-            on_device = mb.batch.to(self.device)
-            loss, metrics = loss_fn(logprobs, on_device, num_tokens, num_sequences, **extra)
+            loss, metrics = loss_fn(logprobs, mb.batch, num_tokens, num_sequences, **extra)
             loss.backward()
             for key, value in {**metrics, "loss": loss}.items():
-                sums[key] = sums.get(key, 0.0) + torch.as_tensor(value).detach().double().cpu()
+                amount = value.detach() if torch.is_tensor(value) else torch.tensor(float(value))
+                sums[key] = amount.double() + sums.get(key, 0.0)
         lr = float(self.scheduler.get_last_lr()[0])
         grad_norm = self._clip_gradients()
         if math.isfinite(grad_norm):
@@ -283,7 +298,7 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         keys = sorted(sums)
-        reduced = self._all_reduce(torch.stack([sums[k] for k in keys]))
+        reduced = self._all_reduce(torch.stack([sums[k].cpu() for k in keys]))
         out = {k: float(v) for k, v in zip(keys, reduced.tolist(), strict=True)}
         out.update(
             grad_norm=grad_norm,
