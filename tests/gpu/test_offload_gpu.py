@@ -176,3 +176,46 @@ def test_offload_frees_the_device_and_keeps_identity(
         torch.testing.assert_close(after[name], tensor.cpu(), msg=name)
     del straight
     free_device()
+
+
+@pytest.mark.parametrize("offload_base", [True, False])
+@pytest.mark.parametrize("setup", ["plain", "fsdp"])
+def test_lora_offload_moves_the_base_or_keeps_it(
+    model_dir: Path, setup: str, offload_base: bool
+) -> None:
+    """``policy.lora.offload_base``: true leaves 0 B on the device; false leaves the frozen
+    base's bytes (and buffers) there and moves the adapters, gradients and optimizer state."""
+    from tandem.config.lora import LoraConfig
+
+    free_device()
+    release_device_caches()
+    assert torch.cuda.memory_allocated() == 0, f"an earlier test leaked {live_blocks()}"
+    optimizer = OptimizerConfig(lr=1e-3, eps=1e-6)
+    lora = LoraConfig(rank=8, alpha=16, offload_base=offload_base)
+    config = PolicyConfig(model_path=model_dir, optimizer=optimizer, lora=lora, **SETUPS[setup])
+    trainer = PolicyTrainer(config, device="cuda:0")
+    first = make_batch(1)
+    loss_1 = trainer.train(first, nll_loss)["loss"]
+    params = dict(trainer.model.named_parameters())
+    frozen = [local(p) for n, p in params.items() if not p.requires_grad]
+    adapters = [local(p) for n, p in params.items() if p.requires_grad]
+    frozen_bytes = sum(t.numel() * t.element_size() for t in frozen)
+    frozen_bytes += sum(local(b).numel() * local(b).element_size() for b in trainer.model.buffers())
+
+    trainer.offload()
+    torch.cuda.synchronize()
+    assert all(local(p).device.type == "cpu" for p in params.values() if p.requires_grad)
+    assert all(local(s).device.type == "cpu" for s in state_tensors(trainer))
+    if offload_base:
+        assert torch.cuda.memory_allocated() == 0, live_blocks()
+    else:
+        # FSDP2 pads each shard (one rank: none); nothing beyond the frozen base stays
+        assert torch.cuda.memory_allocated() <= frozen_bytes + 512 * len(frozen)
+        assert torch.cuda.memory_allocated() >= frozen_bytes * 0.99
+        assert all(local(p).device.type == "cuda" for n, p in params.items() if not p.requires_grad)
+    trainer.onload()
+    assert all(local(p).device.type == "cuda" for p in params.values())
+    loss_2 = trainer.train(make_batch(2), nll_loss)["loss"]
+    assert loss_2 != pytest.approx(loss_1, rel=1e-4)
+    del trainer, params, frozen, adapters
+    free_device()

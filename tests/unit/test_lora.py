@@ -28,6 +28,7 @@ from tandem.cluster.actors import GeneratorWorker
 from tandem.config import GrpoConfig
 from tandem.config.models import GenerationConfig, PolicyConfig
 from tandem.trainer import PolicyTrainer
+from tandem.trainer.offload import move_state, offload_bytes
 
 HF = GenerationConfig(backend="hf")
 
@@ -185,3 +186,30 @@ def test_fsdp2_shards_the_wrapped_model_and_trains_like_one_rank(tmp_path: Path)
     resumed.load_checkpoint(tmp_path / "ckpt")
     for (name, x), (_, y) in zip(one.iter_adapter(), resumed.iter_adapter(), strict=True):
         assert torch.allclose(x, y, atol=1e-5), name
+
+
+def test_offload_without_the_base_moves_adapters_gradients_and_optimizer_state_only() -> None:
+    # the meta device stands in for a target that is not the host (as in test_offload.py)
+    trainer = trainer_worker(lora_policy(offload_base=False), HF, steps=1).policy
+    named = dict(trainer.lm.named_parameters())
+    adapters = {name: p for name, p in named.items() if ".lora_" in name}
+    frozen = {name: p for name, p in named.items() if ".lora_" not in name}
+    batch = train_batch()
+    logprobs, _ = trainer.model(batch.input_ids, batch.attention_mask)
+    (-logprobs.sum()).backward()  # gradients exist, as between backward and step
+    assert trainer.optimizer is not None
+    moments = [v for s in trainer.optimizer.state.values() for v in s.values()]
+    moved = offload_bytes(trainer.model, trainer.optimizer, trainable_only=True)
+    adapter_bytes = sum(p.numel() * p.element_size() for p in adapters.values())
+    assert 3 * adapter_bytes <= moved < 3 * adapter_bytes + 4096 * len(adapters)
+    frozen_bytes = sum(p.numel() * p.element_size() for p in frozen.values())
+    assert offload_bytes(trainer.model, trainer.optimizer) >= moved + frozen_bytes
+
+    move_state(trainer.model, trainer.optimizer, torch.device("meta"), trainable_only=True)
+
+    assert all(p.is_meta and p.grad is not None and p.grad.is_meta for p in adapters.values())
+    assert all(m.is_meta for m in moments if m.dim() > 0 or m.device.type == "meta")
+    assert all(not p.is_meta and p.grad is None for p in frozen.values())
+    assert all(not b.is_meta for b in trainer.model.buffers())
+    assert trainer._offloads_adapters_only
+    assert not trainer_worker(lora_policy(), HF, steps=0).policy._offloads_adapters_only

@@ -32,6 +32,11 @@ class LoraConfig(BaseModel):
     init: Literal["kaiming", "gaussian"] = "kaiming"
     """Initialisation of A (B starts at zero either way, so step 0 is the base model):
     kaiming-uniform (peft's default) or gaussian with std 1/rank."""
+    offload_base: bool = True
+    """Whether the trainer's offload (colocated memory phases) moves the frozen base weights
+    with the adapters: True leaves 0 B of the trainer on the device; False moves only the
+    adapters, their gradients and the optimizer state, and keeps the base weights and buffers
+    on the device (no base copy each step, their bytes held through generation)."""
 
 
 def vllm_lora_rank(rank: int) -> int:

@@ -166,10 +166,13 @@ def _move_parameter(
         param.grad = grad
 
 
-def _parameters(module: nn.Module) -> Iterator[nn.Parameter]:
-    """Every parameter once (tied weights are one object)."""
+def _parameters(module: nn.Module, trainable_only: bool = False) -> Iterator[nn.Parameter]:
+    """Every parameter once (tied weights are one object); ``trainable_only``: those that
+    require gradients."""
     seen: set[int] = set()
     for param in module.parameters():
+        if trainable_only and not param.requires_grad:
+            continue
         if id(param) not in seen:
             seen.add(id(param))
             yield param
@@ -181,15 +184,25 @@ def move_buffers(module: nn.Module, device: torch.device, pool: HostPool | None 
         _swap(_local(buffer), device, pool)
 
 
-def move_module(module: nn.Module, device: torch.device, pool: HostPool | None = None) -> None:
-    """Parameters, their gradients and buffers of ``module`` to ``device``, in place."""
+def move_module(
+    module: nn.Module,
+    device: torch.device,
+    pool: HostPool | None = None,
+    trainable_only: bool = False,
+) -> None:
+    """Parameters, their gradients and buffers of ``module`` to ``device``, in place;
+    ``trainable_only``: the parameters that require gradients (and theirs) alone, the frozen
+    ones and the buffers stay where they are (a LoRA policy's base)."""
     fsdp_params = _fsdp_params(module)
+    if trainable_only:
+        fsdp_params = [fp for fp in fsdp_params if fp.sharded_param.requires_grad]
     if fsdp_params:
         reshard(module)  # a gathered module registers its unsharded parameters instead
+    params = list(_parameters(module, trainable_only))
     with torch.no_grad():
         # The parameters' data, from FSDP2's padded shards or the parameters themselves.
         sources: list[torch.Tensor] = [fp._sharded_param_data for fp in fsdp_params]
-        sources += [p for p in _parameters(module) if DTensor is None or not isinstance(p, DTensor)]
+        sources += [p for p in params if DTensor is None or not isinstance(p, DTensor)]
         sources = [t for t in sources if t.device != device]
         moved: dict[int, torch.Tensor] = {}
         if device.type == "cuda":  # one allocation, back to back (see the module docstring)
@@ -198,9 +211,10 @@ def move_module(module: nn.Module, device: torch.device, pool: HostPool | None =
         for fsdp_param in fsdp_params:
             padded = moved.get(id(fsdp_param._sharded_param_data))
             _move_fsdp_param(fsdp_param, device, padded, pool)
-        for param in _parameters(module):
+        for param in params:
             _move_parameter(param, device, moved.get(id(param)), pool)
-        move_buffers(module, device, pool)
+        if not trainable_only:
+            move_buffers(module, device, pool)
 
 
 def _optimizer_tensors(
@@ -258,13 +272,16 @@ def move_state(
     device: torch.device,
     include_parameters: bool = True,
     pool: HostPool | None = None,
+    trainable_only: bool = False,
 ) -> None:
     """Module and optimizer state to ``device``; returns once every copy has landed. Moving to
     the host also hands cached device memory back (``release_device_caches``); its host
     copies come from ``pool`` where it has room.
 
     ``include_parameters=False`` moves just the buffers (FSDP2 CPU offload keeps parameters,
-    gradients and optimizer state on the host already)."""
+    gradients and optimizer state on the host already). ``trainable_only`` moves the
+    parameters that require gradients, their gradients and the optimizer state, and leaves the
+    frozen parameters and the buffers (``policy.lora.offload_base=false``)."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if pool is not None and device.type == "cpu":
@@ -274,7 +291,7 @@ def move_state(
     else:
         if device.type == "cuda":
             reserve_segment(device, _host_bytes(module, optimizer))
-        move_module(module, device, pool)
+        move_module(module, device, pool, trainable_only)
         if optimizer is not None:
             move_optimizer(optimizer, device, pool)
     if torch.cuda.is_available():
@@ -283,13 +300,16 @@ def move_state(
             release_device_caches()
 
 
-def offload_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+def offload_bytes(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool = False
+) -> int:
     """What an offload of ``module`` and ``optimizer`` will move to the host, before the first
     optimizer step too: parameters, buffers and (Adam's two moments per parameter, when the
-    state does not exist yet) the optimizer state, with alignment slack."""
-    params = [_local(p) for p in _parameters(module)]
-    total = sum(t.numel() * t.element_size() for t in params)
-    total += sum(_local(b).numel() * _local(b).element_size() for b in module.buffers())
+    state does not exist yet) the optimizer state, with alignment slack. ``trainable_only``:
+    as ``move_state``'s (no frozen parameters, no buffers)."""
+    params = [_local(p) for p in _parameters(module, trainable_only)]
+    buffers = [] if trainable_only else [_local(b) for b in module.buffers()]
+    total = sum(t.numel() * t.element_size() for t in [*params, *buffers])
     if optimizer is not None:
         states = [_local(v) for v, _, beside in _optimizer_tensors(optimizer) if beside]
         if states:
@@ -297,5 +317,5 @@ def offload_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) ->
         else:
             trainable = [_local(p) for p in _parameters(module) if p.requires_grad]
             total += 2 * sum(t.numel() * t.element_size() for t in trainable)
-    count = len(params) * 3 + len(list(module.buffers()))
+    count = len(params) * 3 + len(buffers)
     return total + count * HostPool.ALIGN

@@ -207,7 +207,7 @@ class PolicyTrainer:
     def _forward(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Token logprobs and entropies ``[b, T]`` of the micro-batch's (trimmed) layout."""
         if mb.packed is None:
-            images = None if mb.batch.images is None else mb.batch.images.merged()
+            images = mb.batch.images
             return self.model(
                 mb.batch.input_ids.to(self.device),
                 mb.batch.attention_mask.to(self.device),
@@ -422,15 +422,25 @@ class PolicyTrainer:
         again."""
         if self._host_pool is None and self.device.type == "cuda" and not self.config.cpu_offload:
             self._host_pool = HostPool()
-            self._host_pool.start(offload_bytes(self.model, self.optimizer))
+            self._host_pool.start(
+                offload_bytes(self.model, self.optimizer, self._offloads_adapters_only)
+            )
+
+    @property
+    def _offloads_adapters_only(self) -> bool:
+        """``policy.lora.offload_base=false``: offloads leave the frozen base on the device."""
+        return self.config.lora is not None and not self.config.lora.offload_base
 
     def offload(self) -> None:
         """Parameters, gradients, buffers and optimizer state to (pinned) host memory; the same
         tensor objects stay referenced everywhere. With ``cpu_offload`` only buffers move (the
-        sharded parameters and the optimizer state live on the host already)."""
+        sharded parameters and the optimizer state live on the host already); with
+        ``policy.lora.offload_base=false`` the adapters, their gradients and the optimizer
+        state alone (the frozen base stays)."""
         host = torch.device("cpu")
         include = not self.config.cpu_offload
-        move_state(self.model, self.optimizer, host, include, self._host_pool)
+        adapters = self._offloads_adapters_only
+        move_state(self.model, self.optimizer, host, include, self._host_pool, adapters)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         self.resident = False
@@ -442,5 +452,6 @@ class PolicyTrainer:
             self.optimizer,
             self.device,
             include_parameters=not self.config.cpu_offload,
+            trainable_only=self._offloads_adapters_only,
         )
         self.resident = True
