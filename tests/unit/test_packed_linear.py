@@ -104,3 +104,29 @@ def test_packed_layers_follow_the_weights_a_refit_writes(
         sender.close()
     plain.load_weights(iter(original.items()))
     _same_samples(packed, plain)
+
+
+def test_lora_adapters_wrap_the_packed_layers_and_give_the_plain_layers_samples(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from peft.tuners.lora import LoraLayer
+
+    packed, plain = _pair(model_dir, monkeypatch)
+    before = packed.generate(_prompts(packed), PARAMS)
+    torch.manual_seed(5)
+    modules = [f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("up_proj", "down_proj")]
+    adapters = {}
+    for module in modules:
+        linear = plain.model.get_submodule(module)
+        prefix = f"base_model.model.{module}"
+        adapters[f"{prefix}.lora_A.weight"] = 0.1 * torch.randn(8, linear.in_features)
+        adapters[f"{prefix}.lora_B.weight"] = 0.1 * torch.randn(linear.out_features, 8)
+    packed.load_weights(iter(adapters.items()))
+    plain.load_weights(iter(adapters.items()))
+    for module in modules:
+        layer = packed.model.get_submodule(module)
+        assert isinstance(layer, LoraLayer)
+        assert isinstance(layer.get_base_layer(), PackedLinear)  # still oneDNN's product
+    _same_samples(packed, plain)
+    after = packed.generate(_prompts(packed), PARAMS)
+    assert [r.response_logprobs for r in after] != [r.response_logprobs for r in before]

@@ -5,7 +5,8 @@ saved names, B already scaled by alpha / rank: ``trainer.lora.adapter_tensors``)
 refit injects peft's LoRA layers into the model (``peft.inject_adapter_in_model``: the rank from
 A's shape, the modules from the names, alpha = rank so the scale is 1); every refit then copies
 A and B into them. The generator computes what the trainer does, ``base(x) + B(A(x))``, and
-keeps its base weights as loaded: no merged copy to keep or undo.
+keeps its base weights as loaded: no merged copy to keep or undo. On a CPU the base layers stay
+oneDNN-packed (``PackedLinear`` is an ``nn.Linear`` that peft wraps like any other).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch
 from torch import nn
 
 from tandem.adapters import split_adapter_name
-from tandem.generation.packed_linear import PackedLinear
 
 ADAPTER = "tandem"
 """peft's name of the generator's one adapter."""
@@ -55,7 +55,6 @@ class PeftAdapter:
     def _inject(self, modules: tuple[str, ...], rank: int) -> None:
         from peft import LoraConfig, inject_adapter_in_model
 
-        _unpack(self.model, modules)
         config = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(modules), bias="none")
         inject_adapter_in_model(config, self.model, adapter_name=ADAPTER)
         self.model.requires_grad_(False)
@@ -72,16 +71,3 @@ class PeftAdapter:
         items = [(name, tensor) for name, tensor in stream]
         for target, (_, tensor) in zip(self.targets(items), items, strict=True):
             target.copy_(tensor)
-
-
-def _unpack(model: nn.Module, modules: Iterable[str]) -> None:
-    """Give the modules peft wraps back their ``nn.Linear`` (peft wraps only those): a CPU
-    generator's ``PackedLinear`` keeps the same weight and bias tensors."""
-    for name in modules:
-        layer = model.get_submodule(name)
-        if isinstance(layer, PackedLinear):
-            has_bias = layer.bias is not None
-            linear = nn.Linear(layer.in_features, layer.out_features, has_bias, device="meta")
-            linear.weight, linear.bias = layer.weight, layer.bias
-            parent, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(parent), attribute, linear)

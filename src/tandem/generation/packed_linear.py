@@ -9,7 +9,9 @@ docs/benchmarks/2026-12-05-cpu-e2e-amd.md.
 
 A packed layer keeps its ``weight`` and ``bias`` parameters (the same tensors, under the same
 names), so a refit still copies into them; the generator then calls ``repack`` for the packed
-copy to follow. Inference only: the packed product has no gradient.
+copy to follow. Inference only: the packed product has no gradient. It is an ``nn.Linear``
+(its own forward), so peft wraps it as any linear layer: LoRA adapters on the CPU generator
+(``hf_adapters``) compute their low-rank part beside the packed product.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ _BATCH_HINT = 64
 """The rows oneDNN lays a weight out for (a decode step's batch; any count works)."""
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(nn.Linear):
     """``nn.Linear``'s product through oneDNN over a packed copy of the weight."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate a weight of its own
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
