@@ -132,3 +132,17 @@ def test_fsdp2_over_two_ranks_wraps_the_vision_blocks_and_trains_like_one(
     single.train(batch, token_nll)
     for name, tensor in single.iter_weights():
         assert (result["weights"][name] - tensor).abs().max() <= 1e-5, name
+
+
+def test_an_image_token_in_a_response_is_text() -> None:
+    """A sampled response may hold the image or vision-start token: the row's images fill
+    only its prompt's image tokens, so the forward runs and the prompt's logprobs are those of
+    the same row with an ordinary response (the model is causal)."""
+    prompts = _prompts(2)
+    odd = right_padded([(p, [259, 257, 259, 256]) for p in prompts], pad_token_id=256)
+    plain = right_padded([(p, [49, 50, 51, 256]) for p in prompts], pad_token_id=256)
+    trainer = PolicyTrainer(_config(micro_batch_size=2))
+    got, expected = trainer.logprobs(odd), trainer.logprobs(plain)
+    width = len(prompts[0])
+    assert torch.allclose(got[:, :width], expected[:, :width], atol=1e-6)
+    assert bool(torch.isfinite(got).all()) and bool((got[:, width : width + 4] < 0).all())

@@ -239,7 +239,7 @@ class RolloutPipeline:
         prompts = self.source.train_prompts(j - 1, self.config.algorithm.prompts_per_step)
         params = rollout_params(self.config, j)
         pending = self.runtime.submit_generate(
-            [self.source.encode(p["prompt"]) for p in prompts], params
+            [self.source.encode_prompt(p) for p in prompts], params
         )
         scored = self._scoring.submit(
             self._collect_and_score, pending, prompts, params, self.version

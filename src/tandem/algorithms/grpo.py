@@ -245,7 +245,7 @@ def _generate_round(
     params = rollout_params(config, step, round_index)
     if config.environment is not None:
         return episode_round(runtime, config, source, prompts, params)
-    rollouts = runtime.generate([source.encode(p["prompt"]) for p in prompts], params)
+    rollouts = runtime.generate([source.encode_prompt(p) for p in prompts], params)
     return rollouts, *score(config, source, prompts, rollouts, params)
 
 
@@ -393,7 +393,7 @@ def evaluate(
             "eval/accuracy": sum(r > 0 for r in rewards) / len(rewards),
             "eval/reward_mean": sum(rewards) / len(rewards),
         }
-    rollouts = runtime.generate([source.encode(p["prompt"]) for p in prompts], params)
+    rollouts = runtime.generate([source.encode_prompt(p) for p in prompts], params)
     scores = score_rollouts(source.reward, prompts, rollouts, source.decode)
     return {
         "eval/accuracy": sum(scores.rewards) / len(scores.rewards),

@@ -79,7 +79,12 @@ class RowImages:
         return RowImages([self.rows[int(i)] for i in picks])
 
     def to(self, device: torch.device | str) -> RowImages:
-        return RowImages([None if r is None else r.to(device) for r in self.rows])
+        """On ``device``; rows that shared an ``ImageInputs`` share its copy."""
+        moved: dict[int, ImageInputs] = {}
+        for row in self.rows:
+            if row is not None and id(row) not in moved:
+                moved[id(row)] = row.to(device)
+        return RowImages([None if r is None else moved[id(r)] for r in self.rows])
 
     def merged(self) -> ImageInputs | None:
         """One forward's inputs (rows in order), None when no row has an image."""
@@ -159,23 +164,43 @@ def is_vision_model(model_path: Path) -> bool:
     return config.is_file() and "vision_config" in json.loads(config.read_text())
 
 
-def rope_positions(
-    model: Any,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    images: ImageInputs | None,
-) -> torch.Tensor:
-    """``[3, B, T]`` multimodal rotary positions of a Qwen2-VL-family ``model`` (the
-    ``...ForConditionalGeneration``) for ``input_ids`` whose image tokens belong to ``images``
-    in row order: the model's own ``get_rope_index``, given the token types it needs (image
-    tokens 1, text 0). Text tokens share one position on the three axes, the first after an
-    image being the image's largest plus one; padding (``attention_mask`` 0) gets position 1.
-    Computed here rather than left to the forward, which falls back to 1D positions when it
-    gets no token types and keeps state between calls."""
+def vision_inputs(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: RowImages | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Qwen2-VL-family ``model``'s (the ``...ForConditionalGeneration``) inputs for rows
+    ``input_ids`` with their images ``rows``: the token embeddings with each image's vision
+    features in place of its image tokens, and the ``[3, B, T]`` multimodal rotary positions
+    (the model's own ``get_rope_index``; text tokens share one position on the three axes, the
+    first after an image the image's largest plus one).
+
+    Only the first image tokens of a row, as many as its images have merged patches, are
+    images: a sampled response may hold the image token too, and it is text there (the model's
+    forward alone would count it as an image, and without token types it falls back to 1D
+    positions). The vision tower runs once per distinct ``ImageInputs`` (a prompt's samples
+    share theirs), its features scattered to every row that holds it."""
     body = model.model
-    token_types = (input_ids == model.config.image_token_id).int()
-    grid = None if images is None else images.image_grid_thw.to(input_ids.device)
+    merge = int(model.config.vision_config.spatial_merge_size)
+    per_row = rows.rows if rows is not None else [None] * len(input_ids)
+    counts = [0 if r is None else int(r.image_grid_thw.prod(-1).sum()) // merge**2 for r in per_row]
+    is_image = input_ids == model.config.image_token_id
+    is_image &= is_image.cumsum(-1) <= torch.tensor(counts, device=input_ids.device)[:, None]
+    present = [r for r in per_row if r is not None]
+    grid = torch.cat([r.image_grid_thw for r in present]).to(input_ids.device) if present else None
     positions, _ = body.get_rope_index(
-        input_ids, token_types, image_grid_thw=grid, attention_mask=attention_mask
+        input_ids, is_image.int(), image_grid_thw=grid, attention_mask=attention_mask
     )
-    return positions  # type: ignore[no-any-return]
+    embeds = body.get_input_embeddings()(input_ids)
+    if not present:
+        return embeds, positions
+    distinct = list({id(r): r for r in present}.values())
+    merged = ImageInputs.merged(distinct).to(input_ids.device)
+    pooled = iter(
+        body.get_image_features(
+            merged.pixel_values.to(embeds.dtype), merged.image_grid_thw, return_dict=True
+        ).pooler_output
+    )
+    features = {  # each ImageInputs may hold several images
+        id(r): torch.cat([next(pooled) for _ in range(len(r.image_grid_thw))]) for r in distinct
+    }
+    scattered = torch.cat([features[id(r)] for r in present]).to(embeds.dtype)
+    return embeds.masked_scatter(is_image[..., None], scattered), positions

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.data.images import ImageInputs, rope_positions
+from tandem.data.images import RowImages, vision_inputs
 
 MAX_CHUNK_LOGITS = 1 << 26
 """Most logits (tokens x vocabulary) one chunk computes: 256 MiB in fp32, so a 151,936-token
@@ -148,6 +148,8 @@ class LogprobModel(nn.Module):
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size
+        self.temperature = 1.0
+        """The logits are divided by it (a distillation teacher's sharpening)."""
 
     def forward(
         self,
@@ -157,7 +159,7 @@ class LogprobModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         sources: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
-        images: ImageInputs | None = None,
+        images: RowImages | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A right-padded ``attention_mask`` only zeroes the padding's outputs: the model runs
         causal without it (``right_padded``).
@@ -169,7 +171,7 @@ class LogprobModel(nn.Module):
 
         A vision-language model (Qwen2-VL family) runs its whole body: the vision tower on
         ``images`` (the rows' images in row order), their features in place of the image
-        tokens, the multimodal positions it derives from the ids and the image grids."""
+        tokens, multimodal positions (``data.images.vision_inputs``); ``images``: the rows'."""
         lm: Any = self.lm  # a Hugging Face PreTrainedModel
         if sources is None:
             body_mask = (
@@ -179,10 +181,10 @@ class LogprobModel(nn.Module):
             body_mask = attention_mask
         if hasattr(lm.model, "visual"):
             assert position_ids is None, "vision-language batches are not packed"
-            pixels = {} if images is None else vision_kwargs(images)
-            positions = rope_positions(lm, input_ids, attention_mask, images)
+            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+            embeds, positions = vision_inputs(lm, input_ids, mask, images)
             hidden = lm.model(
-                input_ids=input_ids, attention_mask=body_mask, position_ids=positions, **pixels
+                inputs_embeds=embeds, attention_mask=body_mask, position_ids=positions
             ).last_hidden_state
         else:
             hidden = lm.get_decoder()(
@@ -196,6 +198,8 @@ class LogprobModel(nn.Module):
             flat_hidden = hidden.reshape(-1, hidden.shape[-1])[sources]
             flat_targets = targets
         head_weight = lm.get_output_embeddings().weight
+        if self.temperature != 1.0:  # the head is linear with no bias: logits / t
+            flat_hidden = flat_hidden / self.temperature
         picked, entropy = token_logprobs(
             flat_hidden, head_weight, flat_targets, self.chunk_size, with_entropy
         )
@@ -209,8 +213,3 @@ class LogprobModel(nn.Module):
             return logprobs, entropies
         mask = attention_mask.to(logprobs.dtype)
         return logprobs * mask, entropies * mask
-
-
-def vision_kwargs(images: ImageInputs) -> dict[str, torch.Tensor]:
-    """A Qwen2-VL forward's image arguments."""
-    return {"pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw}
