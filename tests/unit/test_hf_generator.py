@@ -408,3 +408,48 @@ def test_folded_decode_attention_equals_attention_over_repeated_heads() -> None:
     assert torch.allclose(folded, repeated, atol=1e-6)
     unmasked = folded_decode_attention(query, key, value, None, 0.5)
     assert not torch.allclose(unmasked, folded, atol=1e-3)  # the mask did something
+
+
+def test_the_graphed_decode_captures_once_per_rows_and_window(
+    generator: HfGenerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode's CUDA-graph bookkeeping, run on the CPU with a stand-in for the capture: a
+    captured step replays what it recorded (the window length at the capture; a replay of
+    another window fails), a new graph comes with each new window and each compaction, and
+    the samples are the eager decode's."""
+    from tandem.generation import static_decode
+
+    captures: list[tuple[int, int]] = []
+
+    class Recorded:  # replays the step as captured: same rows, same window
+        def __init__(self, decode: static_decode.StaticDecode) -> None:
+            self.decode, self.shape = decode, (len(decode.token), decode.window.length)
+            self.logits = decode.forward()
+
+        def replay(self) -> None:
+            assert (len(self.decode.token), self.decode.window.length) == self.shape
+            self.logits.copy_(self.decode.forward())
+
+    def capture(forward: object) -> tuple[Recorded, torch.Tensor]:
+        decode = forward.__self__  # type: ignore[attr-defined]
+        graph = Recorded(decode)
+        captures.append(graph.shape)
+        return graph, graph.logits
+
+    monkeypatch.setattr(static_decode, "capture", capture)
+    monkeypatch.setattr(static_decode, "CACHE_BUCKET", 4)
+    ids = _prompt_ids(generator)
+    params = SamplingParams(temperature=2.0, max_tokens=12, n=8, seed=5)
+    generator.static_cache = True
+    try:
+        eager = generator.generate(ids, params)
+        generator.cuda_graphs = True
+        graphed = generator.generate(ids, params)
+    finally:
+        generator.static_cache = generator.cuda_graphs = False
+    assert len(captures) > 3 and len(set(captures)) == len(captures)  # one per rows x window
+    assert len({rows for rows, _ in captures}) > 1  # compactions captured again
+    assert len({window for _, window in captures}) > 2  # so did new windows
+    assert [r.response_token_ids for r in graphed] == [r.response_token_ids for r in eager]
+    for g, e in zip(graphed, eager, strict=True):
+        assert g.response_logprobs == pytest.approx(e.response_logprobs, abs=1e-6)

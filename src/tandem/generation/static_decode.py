@@ -125,17 +125,16 @@ class StaticDecode:
         if not self.graphs:
             return self.forward()
         shape = (len(self.token), self.window.length)
-        if self.graph_shape != shape:
-            self.graph, self.graph_shape = None, shape  # its memory goes with it
+        if self.graph is None or self.graph_shape != shape:
+            self.graph = None  # captured for another shape; its memory goes with it
             if not self.warm:  # the decode's first step runs eagerly: it warms the kernels up
                 self.warm = True
                 return self.forward()
-            self.graph = capture(self.forward)  # records the step; runs nothing
+            self.graph, self.graph_shape = capture(self.forward), shape  # records; runs nothing
             if self.graph is None:
                 self.graphs = False
                 self.on_capture_failure()
                 return self.forward()
-        assert self.graph is not None
         self.graph[0].replay()
         return self.graph[1].clone()
 
