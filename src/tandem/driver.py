@@ -146,7 +146,7 @@ def open_run(
 
 
 def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
-    from tandem.cluster.scorers import check_scorers, model_scorers
+    from tandem.cluster.scorers import check_scorers, model_scorers, scorer_kinds
     from tandem.data.prompts import PromptSource, load_prompt_items
     from tandem.preflight import check_episode_length, check_prompt_lengths, check_run_inputs
     from tandem.rewards import RewardScorer
@@ -161,6 +161,8 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
         with_reference=algo.kl_coef > 0,
         total_steps=algo.num_steps * algo.ppo_epochs * algo.num_minibatches,  # optimizer steps
         in_flight_refit=algo.refit_mode == "in_flight",
+        num_scorers=len(scorer_kinds(config)),
+        scorer_placement=config.reward.placement,
     )
     if config.environment is not None:
         check_episode_length(config.environment.max_tokens, context)
@@ -183,7 +185,7 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
         with (
             open_run(config, run_dir, resume, runtime) as run,
             environments(config) as envs,
-            model_scorers(config) as scorers,
+            model_scorers(config, getattr(runtime.placement, "scorer_bundles", ())) as scorers,
         ):
             source.environments, source.scorers = envs, scorers
             pipeline = None

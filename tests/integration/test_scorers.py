@@ -156,3 +156,43 @@ def test_a_reward_model_actor_that_dies_or_hangs_is_named(
         hangs = r"reward_model .* no result after 0.001 s \(reward.timeout_s\)"
         with pytest.raises(WorkerError, match=hangs):
             scorers.score(sample, Scores([1.0]))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_grpo_through_ray_places_the_reward_model_in_the_runs_placement(
+    ray_cluster: None, tmp_path: Path, reward_model: Path
+) -> None:
+    """The run reserves a slot for its reward model (colocated: a share of bundle 0) and the
+    actor starts there: a step through Ray scores with it."""
+    from tandem.cluster.placement import create_placement
+
+    import ray
+
+    placement = create_placement("colocated", 1, 1, cpus_per_actor=0.5, num_scorers=1)
+    try:
+        (slot,) = placement.scorer_bundles
+        assert (slot.bundle_index, slot.num_cpus) == (0, 0.5)
+        with model_scorers(_ray_config(reward_model), placement.scorer_bundles) as scorers:
+            assert scorers is not None
+            actor = scorers.groups["reward_model"].actors[0]  # type: ignore[attr-defined]
+            where = actor.__ray_call__.remote(
+                lambda _: ray.get_runtime_context().get_placement_group_id()
+            )
+            assert ray.get(where) == placement.placement_group.id.hex()
+    finally:
+        placement.remove()
+    args = [
+        "grpo",
+        *SMALL_RUN,
+        "algorithm.num_steps=1",
+        "cluster.runtime=ray",
+        "cluster.env_mode=shared",
+        "cluster.cpus_per_actor=0.5",
+        f"reward.model={reward_model}",
+        f"logging.run_dir={tmp_path}",
+        "logging.name=run",
+    ]
+    assert main(args) == 0
+    (record,) = _records(tmp_path / "run")
+    assert -10 < record["reward/model_mean"] < 10

@@ -147,7 +147,7 @@ def launch_ray(spec: RuntimeSpec) -> Runtime:
 
     cluster = spec.cluster
     init_ray(address=cluster.address)
-    placement = make_placement(cluster)
+    placement = make_placement(cluster, spec.num_scorers, spec.scorer_placement)
     on_gpus = [s.num_gpus > 0 for s in [*placement.trainer_bundles, *placement.generator_bundles]]
     colocated_gpus = cluster.placement == "colocated" and any(on_gpus)
     settings = ProcessSettings(actor_threads(cluster), keep_freed_host_memory=not any(on_gpus))

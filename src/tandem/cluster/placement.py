@@ -9,17 +9,24 @@ Public API
 ----------
 ``ActorSlot(placement_group, bundle_index, num_cpus, num_gpus)``: where one actor goes;
   ``.options() -> dict`` for ``ActorClass.options(**...)``.
-``Placement(mode, trainer_bundles, generator_bundles, placement_group)``; ``.remove()``.
+``Placement(mode, trainer_bundles, generator_bundles, placement_group, scorer_bundles)``;
+  ``.remove()``.
 ``create_placement(mode, num_trainers, num_generators, cpus_per_actor=1.0, gpus_per_actor=1.0,
-  use_gpus=None, timeout_s=60.0) -> Placement``
-``make_placement(cluster: ClusterConfig) -> Placement`` (the same, from the config section).
+  use_gpus=None, timeout_s=60.0, num_scorers=0, scorer_mode="colocated") -> Placement``
+``make_placement(cluster: ClusterConfig, num_scorers=0, scorer_mode="colocated")`` (the same,
+  from the config section).
+
+Scorers (a reward model, a judge, a teacher; ``reward.placement``) get slots of the same
+placement group: ``colocated`` they share bundle 0 and its device with trainer 0 and generator 0
+(each asking its share; they hold their weights on the host between calls), ``split`` each owns
+a bundle of its own.
 ``actor_threads(cluster, num_cores=None) -> int``: the CPU threads each actor computes with.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import ray
@@ -61,6 +68,7 @@ class Placement:
     trainer_bundles: list[ActorSlot]
     generator_bundles: list[ActorSlot]
     placement_group: PlacementGroup
+    scorer_bundles: list[ActorSlot] = field(default_factory=list)
 
     def remove(self) -> None:
         remove_placement_group(self.placement_group)
@@ -70,27 +78,40 @@ def _bundle(cpus: float, gpus: float) -> dict[str, float]:
     return {"CPU": cpus, "GPU": gpus} if gpus > 0 else {"CPU": cpus}
 
 
+Slot = tuple[int, float, float]
+"""(bundle index, cpus, gpus) of one actor."""
+
+
 def _layout(
-    mode: PlacementMode, num_trainers: int, num_generators: int, cpus: float, gpus: float
-) -> tuple[list[dict[str, float]], list[tuple[int, float, float]], list[tuple[int, float, float]]]:
-    """Bundles, then (bundle index, cpus, gpus) per trainer and per generator."""
+    mode: PlacementMode,
+    num_trainers: int,
+    num_generators: int,
+    cpus: float,
+    gpus: float,
+    num_scorers: int = 0,
+    scorer_mode: PlacementMode = "colocated",
+) -> tuple[list[dict[str, float]], list[Slot], list[Slot], list[Slot]]:
+    """Bundles, then the slots of the trainers, the generators and the scorers."""
+    trainers = list(range(num_trainers))
     if mode == "split":
-        bundles = [_bundle(cpus, gpus) for _ in range(num_trainers + num_generators)]
-        trainers = [(i, cpus, gpus) for i in range(num_trainers)]
-        generators = [(num_trainers + i, cpus, gpus) for i in range(num_generators)]
-        return bundles, trainers, generators
-    num_bundles = max(num_trainers, num_generators)
-    bundles = []
-    trainers, generators = [], []
-    for i in range(num_bundles):
-        sharing = int(i < num_trainers) + int(i < num_generators)
-        # Both actors of a shared bundle see the same device: each asks its share of it.
-        bundles.append(_bundle(cpus * sharing, gpus))
-        if i < num_trainers:
-            trainers.append((i, cpus, gpus / sharing))
-        if i < num_generators:
-            generators.append((i, cpus, gpus / sharing))
-    return bundles, trainers, generators
+        generators = [num_trainers + i for i in range(num_generators)]
+        num_bundles = num_trainers + num_generators
+    else:
+        generators = list(range(num_generators))
+        num_bundles = max(num_trainers, num_generators)
+    scorers = [0] * num_scorers
+    if scorer_mode == "split":
+        scorers = [num_bundles + i for i in range(num_scorers)]
+        num_bundles += num_scorers
+    # Actors of a shared bundle see the same device: each asks its share of it.
+    everyone = [*trainers, *generators, *scorers]
+    sharing = [everyone.count(b) for b in range(num_bundles)]
+
+    def slots(indices: list[int]) -> list[Slot]:
+        return [(b, cpus, gpus / sharing[b]) for b in indices]
+
+    bundles = [_bundle(cpus * n, gpus) for n in sharing]
+    return bundles, slots(trainers), slots(generators), slots(scorers)
 
 
 def create_placement(
@@ -101,8 +122,11 @@ def create_placement(
     gpus_per_actor: float = 1.0,
     use_gpus: bool | None = None,
     timeout_s: float = 60.0,
+    num_scorers: int = 0,
+    scorer_mode: PlacementMode = "colocated",
 ) -> Placement:
-    """Reserve the bundles of ``mode`` and wait until they are placed.
+    """Reserve the bundles of ``mode`` (and ``num_scorers`` scorer slots placed as
+    ``scorer_mode`` says) and wait until they are placed.
 
     ``use_gpus=None`` asks for GPUs iff the cluster has any. Raises ValueError naming the
     shortfall when the cluster cannot hold them within ``timeout_s``."""
@@ -113,8 +137,8 @@ def create_placement(
     if use_gpus is None:
         use_gpus = ray.cluster_resources().get("GPU", 0) > 0
     gpus = gpus_per_actor if use_gpus else 0.0
-    bundles, trainers, generators = _layout(
-        mode, num_trainers, num_generators, cpus_per_actor, gpus
+    bundles, trainers, generators, scorers = _layout(
+        mode, num_trainers, num_generators, cpus_per_actor, gpus, num_scorers, scorer_mode
     )
     group = placement_group(bundles, strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
@@ -128,13 +152,15 @@ def create_placement(
             "lower cluster.cpus_per_actor/gpus_per_actor or the number of actors, or add nodes"
         )
 
-    def slots(layout: list[tuple[int, float, float]]) -> list[ActorSlot]:
+    def slots(layout: list[Slot]) -> list[ActorSlot]:
         return [ActorSlot(group, index, c, g) for index, c, g in layout]
 
-    return Placement(mode, slots(trainers), slots(generators), group)
+    return Placement(mode, slots(trainers), slots(generators), group, slots(scorers))
 
 
-def make_placement(cluster: ClusterConfig) -> Placement:
+def make_placement(
+    cluster: ClusterConfig, num_scorers: int = 0, scorer_mode: PlacementMode = "colocated"
+) -> Placement:
     """``create_placement`` from the ``cluster`` config section."""
     return create_placement(
         cluster.placement,
@@ -142,6 +168,8 @@ def make_placement(cluster: ClusterConfig) -> Placement:
         cluster.num_generators,
         cpus_per_actor=cluster.cpus_per_actor,
         gpus_per_actor=cluster.gpus_per_actor,
+        num_scorers=num_scorers,
+        scorer_mode=scorer_mode,
     )
 
 

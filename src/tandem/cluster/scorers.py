@@ -32,6 +32,7 @@ from tandem.config.scoring import RewardConfig
 if TYPE_CHECKING:  # torch is imported where a worker is built: the checks run before it
     import torch
 
+    from tandem.cluster.placement import ActorSlot
     from tandem.config.models import GrpoConfig
     from tandem.data.batch import TrainBatch
     from tandem.rewards.scorer import Scores
@@ -287,20 +288,35 @@ def judge_generation(generation: GenerationConfig) -> GenerationConfig:
     )
 
 
+def scorer_kinds(config: GrpoConfig) -> list[str]:
+    """The kinds of the models ``config`` scores with, in the order they start (before torch:
+    the run's placement reserves a slot for each)."""
+    paths = {
+        "reward_model": config.reward.model,
+        "judge": config.reward.judge,
+        "teacher": config.algorithm.teacher,
+    }
+    return [kind for kind, path in paths.items() if path is not None]
+
+
 @contextmanager
-def model_scorers(config: GrpoConfig) -> Iterator[ModelScorers | None]:
+def model_scorers(
+    config: GrpoConfig, slots: Sequence[ActorSlot] = ()
+) -> Iterator[ModelScorers | None]:
     """The run's ``ModelScorers`` (None when it scores with no model), started where its
-    ``cluster.runtime`` (resolved) runs the policy's workers, shut down when the block ends."""
+    ``cluster.runtime`` (resolved) runs the policy's workers, shut down when the block ends.
+    ``slots``: the places the run's placement reserved for them (Ray), one per kind."""
     workers = _workers(config)
     if not workers:
         yield None
         return
     cluster = config.cluster
     groups: dict[str, Group] = {}
+    places = dict(zip(scorer_kinds(config), slots, strict=False))
     try:
         for kind, (cls, kwargs) in workers.items():
             if cluster.runtime == "ray":
-                groups[kind] = _actor_group(config, kind, cls, kwargs)
+                groups[kind] = _actor_group(config, kind, cls, kwargs, places.get(kind))
             else:  # this process, as the policy's workers
                 groups[kind] = InlineGroup([cls(**kwargs)], kind)
         scorers = ModelScorers(config, groups)
@@ -314,9 +330,12 @@ def model_scorers(config: GrpoConfig) -> Iterator[ModelScorers | None]:
         scorers.close()
 
 
-def _actor_group(config: GrpoConfig, kind: str, cls: type, kwargs: dict[str, Any]) -> Group:
-    """One Ray actor of ``kind`` in its environment, with the run's process settings and the
-    reward section's call timeout."""
+def _actor_group(
+    config: GrpoConfig, kind: str, cls: type, kwargs: dict[str, Any], slot: ActorSlot | None
+) -> Group:
+    """One Ray actor of ``kind`` in its environment (in ``slot`` of the run's placement where
+    it has one: a share of a GPU), with the run's process settings and the reward section's
+    call timeout."""
     from tandem.cluster.launch import ProcessSettings
     from tandem.cluster.placement import actor_threads
     from tandem.cluster.ray_cluster import init_ray
@@ -333,6 +352,7 @@ def _actor_group(config: GrpoConfig, kind: str, cls: type, kwargs: dict[str, Any
         env_vars=settings.as_env(),
         env_mode=cluster.env_mode,
         num_cpus=cluster.cpus_per_actor,
+        bundles=None if slot is None else [slot],
         call_timeout_s=cluster.call_timeout_s,  # its start (the model's load)
     )
     if kind != "teacher":  # a scoring call: the reward section's bound

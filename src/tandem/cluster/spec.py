@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from importlib.util import find_spec
+from typing import Literal
 
 from tandem import machine
 from tandem.cluster.envs import env_mode
@@ -27,6 +28,10 @@ class RuntimeSpec:
     in_flight_refit: bool = False
     """A refit may reach the generators while they generate (``algorithm.refit_mode``): each
     generator actor takes two calls at once and lets the refit in between two decode steps."""
+    num_scorers: int = 0
+    """Models beside the policy (a reward model, a judge, a teacher): each gets a slot of the
+    run's placement, as ``scorer_placement`` says (``reward.placement``)."""
+    scorer_placement: Literal["colocated", "split"] = "colocated"
 
     def resolve(self) -> RuntimeSpec:
         """This spec with ``generation.backend`` and ``cluster.runtime`` decided: the
