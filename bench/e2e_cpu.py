@@ -19,8 +19,15 @@ workload the medians over rounds, their spread and the ratio. ``--ray`` adds a t
 round, ``tandem grpo cluster.runtime=ray`` (colocated Ray actors in their isolated
 environments), with its own ratio to TRL.
 
+``--lora RANK`` trains LoRA adapters on both sides instead of every weight: tandem's
+``policy.lora`` (rank RANK, alpha 2 x RANK, every linear projection) and TRL's ``GRPOTrainer``
+with peft's ``LoraConfig`` of the same rank, alpha and modules; both at 10 x the workload's
+learning rate (adapters take a larger one: the ``grpo_arithmetic_lora`` recipe). ``--refit-lora
+adapter merged`` runs one tandem side per ``refit.lora`` mode. Every run's line holds the load
+average when it ended (the machine is shared).
+
     ./run.sh python bench/e2e_cpu.py [--workloads short main long] [--rounds 3] [--backend hf]
-        [--ray]
+        [--ray] [--lora 16 [--refit-lora adapter merged]]
 """
 
 from __future__ import annotations
@@ -87,7 +94,7 @@ def trl_python(root: Path) -> Path:
     env = {**os.environ, "UV_FIND_LINKS": str(ROOT / ".wheels")}
     subprocess.run(["uv", "venv", "-q", "--python", sys.executable, str(venv)], check=True)
     pins = [f"torch=={version('torch')}", f"transformers=={version('transformers')}"]
-    packages = [*pins, f"trl=={TRL_VERSION}", "datasets", "accelerate"]
+    packages = [*pins, f"trl=={TRL_VERSION}", f"peft=={version('peft')}", "datasets", "accelerate"]
     subprocess.run(
         ["uv", "pip", "install", "-q", "--compile-bytecode", "--python", str(python), *packages],
         check=True,
@@ -114,20 +121,30 @@ def prompts_file(model: Path, prompts: int, steps: int, root: Path) -> Path:
     return path
 
 
+def learning_rate(name: str, lora: int) -> float:
+    return float(WORKLOADS[name]["lr"]) * (10 if lora else 1)  # type: ignore[arg-type]
+
+
+def lora_overrides(lora: int, refit: str) -> list[str]:
+    if not lora:
+        return []
+    return [f"policy.lora.rank={lora}", f"policy.lora.alpha={2 * lora}", f"refit.lora={refit}"]
+
+
 def run_tandem(
-    name: str, model: Path, root: Path, index: int, backend: str, ray: bool = False
+    name: str, model: Path, root: Path, index: int, backend: str, extra: list[str], lr: float
 ) -> tuple[float, float, dict[str, float], str]:
     """(median step, whole process seconds, median seconds of the step's parts, where its log
-    says the workers ran) of ``tandem grpo`` on the workload (``ray``: with
-    ``cluster.runtime=ray``)."""
+    says the workers ran) of ``tandem grpo`` on the workload with the ``extra`` overrides."""
     work = WORKLOADS[name]
     run_dir = root / "tandem-runs"
-    shutil.rmtree(run_dir / f"{name}-{index}", ignore_errors=True)
+    label = f"{name}-{index}-{abs(hash(tuple(extra))) % 10**6}"
+    shutil.rmtree(run_dir / label, ignore_errors=True)
     reward = "exact_match" if work["reward"] == "exact_match" else "e2e_rewards:digit_fraction"
     overrides = [
         f"policy.model_path={model}",
         f"generation.backend={backend}",
-        f"policy.optimizer.lr={work['lr']}",
+        f"policy.optimizer.lr={lr}",
         f"algorithm.num_steps={work['steps']}",
         f"algorithm.prompts_per_step={work['prompts']}",
         f"algorithm.num_generations={GENERATIONS}",
@@ -138,8 +155,8 @@ def run_tandem(
         "logging.progress=false",
         "logging.tensorboard=false",
         f"logging.run_dir={run_dir}",
-        f"logging.name={name}-{index}",
-        *(["cluster.runtime=ray"] if ray else []),
+        f"logging.name={label}",
+        *extra,
     ]
     env = {**os.environ, "PYTHONPATH": str(BENCH)}
     start = time.perf_counter()
@@ -152,7 +169,7 @@ def run_tandem(
     whole = time.perf_counter() - start
     if out.returncode != 0:
         raise RuntimeError(f"tandem grpo failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    lines = (run_dir / f"{name}-{index}" / "metrics.jsonl").read_text().splitlines()
+    lines = (run_dir / label / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines if line][1:]
     parts = {
         part: round(statistics.median(row[f"timing/{part}_s"] for row in rows), 4)
@@ -164,9 +181,12 @@ def run_tandem(
 
 
 def run_trl(
-    name: str, model: Path, prompts: Path, python: Path, index: int
+    name: str, model: Path, prompts: Path, python: Path, index: int, lora: int, lr: float
 ) -> tuple[float, float, dict[str, float], str]:
+    from tandem.config.lora import LINEAR_PROJECTIONS
+
     work = WORKLOADS[name]
+    peft = ["--lora-rank", str(lora), "--lora-alpha", str(2 * lora), "--lora-targets"]
     command = [
         str(python),
         str(BENCH / "trl_peer.py"),
@@ -177,24 +197,49 @@ def run_trl(
         f"--prompts-per-step={work['prompts']}",
         f"--generations={GENERATIONS}",
         f"--max-tokens={work['max_tokens']}",
-        f"--lr={work['lr']}",
+        f"--lr={lr}",
         f"--label={name}-{index}",
+        *([*peft, *LINEAR_PROJECTIONS] if lora else []),
     ]
     start = time.perf_counter()
     out = subprocess.run(command, capture_output=True, text=True)
     whole = time.perf_counter() - start
-    steps = [
-        json.loads(line)["value"]
-        for line in out.stdout.splitlines()
-        if line.startswith('{"figure"')
-    ]
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"figure"')]
+    steps = [line["value"] for line in lines if line["figure"] == "trl_step_s"]
     if out.returncode != 0 or not steps:
         raise RuntimeError(f"TRL run failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return statistics.median(steps[1:]), whole, {}, ""
+    trained = next(line["value"] for line in lines if line["figure"] == "trl_trainable_params")
+    return statistics.median(steps[1:]), whole, {}, f"GRPOTrainer, {trained} trainable parameters"
 
 
 def spread(values: list[float]) -> list[float]:
     return [round(min(values), 3), round(max(values), 3)]
+
+
+def tandem_sides(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Each tandem side's name and its extra overrides."""
+    sides = {}
+    for refit in args.refit_lora if args.lora else ["adapter"]:
+        suffix = "" if refit == "adapter" else f"_{refit}"
+        sides[f"tandem{suffix}"] = lora_overrides(args.lora, refit)
+        if args.ray:
+            sides[f"tandem_ray{suffix}"] = [*sides[f"tandem{suffix}"], "cluster.runtime=ray"]
+    return sides
+
+
+def run_line(name: str, side: str, index: int, run: tuple) -> dict:
+    step, whole, parts, where = run
+    return {
+        "figure": "e2e_cpu_run",
+        "workload": name,
+        "side": side,
+        "round": index,
+        "step_s": round(step, 4),
+        "process_s": round(whole, 2),
+        **({"parts_s": parts} if parts else {}),
+        **({"workers": where} if where else {}),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
 
 
 def main() -> None:
@@ -205,51 +250,54 @@ def main() -> None:
     parser.add_argument(
         "--ray", action="store_true", help="also run tandem with cluster.runtime=ray"
     )
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank on both sides (0: off)")
+    parser.add_argument(
+        "--refit-lora", nargs="+", choices=["adapter", "merged"], default=["adapter"]
+    )
     args = parser.parse_args()
     root = Path(tempfile.gettempdir()) / "tandem-e2e-cpu"
     root.mkdir(exist_ok=True)
     python = trl_python(root)
+    extras = tandem_sides(args)
     for name in args.workloads:
         model = model_path(name, root)
         prompts = prompts_file(model, WORKLOADS[name]["prompts"], WORKLOADS[name]["steps"], root)
-        sides = ["tandem", *(["tandem_ray"] if args.ray else []), "trl"]
-        runs: dict[str, list[tuple[float, float, dict[str, float], str]]] = {s: [] for s in sides}
+        lr = learning_rate(name, args.lora)
+        runs: dict[str, list[tuple[float, float, dict[str, float], str]]] = {
+            side: [] for side in [*extras, "trl"]
+        }
+        loads: list[float] = []
         for index in range(args.rounds):
-            runs["tandem"].append(run_tandem(name, model, root, index, args.backend))
-            if args.ray:
-                runs["tandem_ray"].append(run_tandem(name, model, root, index, args.backend, True))
-            runs["trl"].append(run_trl(name, model, prompts, python, index))
-            for side, values in runs.items():
-                step, whole, parts, where = values[-1]
-                emit(
-                    {
-                        "figure": "e2e_cpu_run",
-                        "workload": name,
-                        "side": side,
-                        "round": index,
-                        "step_s": round(step, 4),
-                        "process_s": round(whole, 2),
-                        **({"parts_s": parts, "workers": where} if parts else {}),
-                    }
-                )
+            for side, extra in extras.items():
+                runs[side].append(run_tandem(name, model, root, index, args.backend, extra, lr))
+                emit(run_line(name, side, index, runs[side][-1]))
+            runs["trl"].append(run_trl(name, model, prompts, python, index, args.lora, lr))
+            emit(run_line(name, "trl", index, runs["trl"][-1]))
+            loads.append(os.getloadavg()[0])
         step = {side: statistics.median(v[0] for v in values) for side, values in runs.items()}
         whole = {side: statistics.median(v[1] for v in values) for side, values in runs.items()}
-        for side in sides[:-1]:
+        for side in extras:
             emit(
                 {
                     "figure": "e2e_cpu_vs_trl",
                     "workload": name,
+                    "tandem_side": side,
+                    "lora_rank": args.lora or None,
                     "tandem_backend": args.backend,
                     "tandem_workers": runs[side][0][3],
                     "rounds": args.rounds,
                     "tandem_step_s": round(step[side], 4),
                     "trl_step_s": round(step["trl"], 4),
                     "step_ratio": round(step[side] / step["trl"], 3),
+                    "round_ratios": [
+                        round(t[0] / r[0], 3) for t, r in zip(runs[side], runs["trl"], strict=True)
+                    ],
                     "tandem_step_spread": spread([v[0] for v in runs[side]]),
                     "trl_step_spread": spread([v[0] for v in runs["trl"]]),
                     "tandem_process_s": round(whole[side], 2),
                     "trl_process_s": round(whole["trl"], 2),
                     "process_ratio": round(whole[side] / whole["trl"], 3),
+                    "load_avg_1m_spread": spread(loads),
                     "cores": len(os.sched_getaffinity(0)),
                 }
             )

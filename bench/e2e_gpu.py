@@ -19,8 +19,16 @@ generation on both sides) on the same work, alternately, ``--rounds`` times each
 median step of each run and the ratio tandem / TRL (TRL's ``--bf16`` matches
 ``--mixed-precision``: fp32 masters, bf16 compute).
 
+``--lora RANK`` trains LoRA adapters instead of every weight, as LoRA usually runs: the frozen
+base in bf16 (``policy.dtype=bfloat16``; peft keeps the adapters in fp32), rank RANK, alpha
+2 x RANK on every linear projection, learning rate 1e-4; TRL loads the model in bf16 with
+peft's ``LoraConfig`` of the same rank, alpha and modules (and ``--bf16``). Each step's line
+holds the same lines. Every run's medians' line adds the device's memory in use as sampled
+every 20 ms during the run (``torch.cuda.mem_get_info``: every process, the trainer and
+generator actors and this driver), its peak and its least.
+
     PYTHONPATH=.gpu/site:src:bench python bench/e2e_gpu.py [--shapes 0.5b 1.5b] [--steps 6]
-        [--mixed-precision] [--kl-coef 0.0] [--trl --rounds 2] [--set KEY=VALUE ...]
+        [--mixed-precision] [--kl-coef 0.0] [--trl --rounds 2] [--lora 32] [--set KEY=VALUE ...]
 
 (``.gpu/site``: Ray, pydantic and TRL from ``scripts/offline_bundle.sh`` on a GPU machine without
 a network; docs/gpu.md.)
@@ -35,6 +43,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +94,8 @@ def run_tandem(path: Path, args: argparse.Namespace, run_dir: Path) -> list[dict
             if args.max_tokens_per_micro_batch
             else []
         ),
-        "policy.optimizer.lr=1e-5",
+        f"policy.optimizer.lr={learning_rate(args)}",
+        *lora_overrides(args),
         f"algorithm.num_steps={args.steps}",
         f"algorithm.prompts_per_step={args.prompts}",
         f"algorithm.num_generations={args.generations}",
@@ -99,7 +110,70 @@ def run_tandem(path: Path, args: argparse.Namespace, run_dir: Path) -> list[dict
         f"logging.name={path.name}",
         *args.overrides,
     ]
-    return run_grpo(load_config(GrpoConfig, "grpo_arithmetic", overrides))
+    with DeviceMemory() as memory:
+        records = run_grpo(load_config(GrpoConfig, "grpo_arithmetic", overrides))
+    args.device_memory = memory.figures()
+    return records
+
+
+class DeviceMemory:
+    """The device's memory in use (all processes), sampled in a thread while a run lasts."""
+
+    def __init__(self, period: float = 0.02) -> None:
+        self.period = period
+        self.used: list[int] | None = [] if torch.cuda.is_available() else None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            free, total = torch.cuda.mem_get_info()
+            assert self.used is not None
+            self.used.append(total - free)
+            time.sleep(self.period)
+
+    def __enter__(self) -> DeviceMemory:
+        if self.used is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self.used is not None:
+            self._thread.join()
+
+    def figures(self) -> dict[str, float]:
+        if not self.used:
+            return {}
+        total = torch.cuda.mem_get_info()[1]
+        return {
+            "device_used_peak_bytes": max(self.used),
+            "device_used_least_bytes": min(self.used),
+            "device_total_bytes": total,
+        }
+
+
+def learning_rate(args: argparse.Namespace) -> float:
+    return 1e-4 if args.lora else 1e-5
+
+
+def lora_overrides(args: argparse.Namespace) -> list[str]:
+    if not args.lora:
+        return []
+    return [
+        f"policy.lora.rank={args.lora}",
+        f"policy.lora.alpha={2 * args.lora}",
+        "policy.dtype=bfloat16",
+    ]
+
+
+def trl_lora_args(args: argparse.Namespace) -> list[str]:
+    from tandem.config.lora import LINEAR_PROJECTIONS
+
+    if not args.lora:
+        return ["--bf16"] if args.mixed_precision else []
+    lora = ["--lora-rank", str(args.lora), "--lora-alpha", str(2 * args.lora)]
+    return [*lora, "--lora-targets", *LINEAR_PROJECTIONS, "--model-dtype=bfloat16", "--bf16"]
 
 
 def median_step(values: list[float]) -> float:
@@ -117,7 +191,7 @@ def run_trl(path: Path, args: argparse.Namespace, root: Path, label: str) -> flo
     rows = source.train_prompts(0, args.prompts * args.steps)
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     command = [
-        sys.executable,
+        args.trl_python,
         str(Path(__file__).with_name("trl_peer.py")),
         f"--model={path}",
         f"--prompts={prompts}",
@@ -126,14 +200,18 @@ def run_trl(path: Path, args: argparse.Namespace, root: Path, label: str) -> flo
         f"--prompts-per-step={args.prompts}",
         f"--generations={args.generations}",
         f"--max-tokens={args.max_tokens}",
-        "--lr=1e-5",
+        f"--lr={learning_rate(args)}",
         f"--label={label}",
         f"--micro-batch={args.trl_micro_batch}",
-        *(["--bf16"] if args.mixed_precision else []),
+        *trl_lora_args(args),
         *([] if args.activation_checkpointing else ["--no-gradient-checkpointing"]),
     ]
     out = subprocess.run(command, capture_output=True, text=True, check=False)
-    steps = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"figure"')]
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"figure"')]
+    steps = [line for line in lines if line["figure"] == "trl_step_s"]
+    for line in lines:
+        if line["figure"] == "trl_trainable_params":
+            emit(line)
     if out.returncode != 0 or not steps:
         memory = "out of memory" if "OutOfMemoryError" in out.stderr else "failed"
         emit({"figure": "trl_failed", "label": label, "why": memory, "rc": out.returncode})
@@ -210,6 +288,8 @@ def emit_breakdown(
             "steps": len(later),
             **medians,
             "mismatch_max": max(r["gen/logprob_mismatch"] for r in steps),
+            "lora_rank": args.lora or None,
+            **getattr(args, "device_memory", {}),
             **(scale_figures(args.paths[shape], medians, args) if scale else {}),
             **args.ceilings,
         }
@@ -239,11 +319,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (CPU dry runs)")
     parser.add_argument("--trl", action="store_true", help="side by side with TRL")
     parser.add_argument("--trl-micro-batch", type=int, default=8)
+    parser.add_argument(
+        "--trl-python", default=sys.executable, help="the Python that has TRL (default: this)"
+    )
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: every weight)")
     parser.add_argument(
         "--set",
         dest="overrides",
         nargs="*",
+        action="extend",
         default=[],
         metavar="KEY=VALUE",
         help="more tandem overrides, e.g. policy.share_prompts=false for an A/B",

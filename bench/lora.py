@@ -1,22 +1,35 @@
 """LoRA against full-parameter training on one device: a train step, the refit's bytes and time,
-offload/onload, device memory per phase.
+a generation, offload/onload, device memory per phase.
 
-For each mode (``full``: every weight; ``lora``: rank ``--rank`` adapters on every linear
-projection, the base frozen) it builds a ``TrainerWorker`` and a transformers ``GeneratorWorker``
-in this process on a random model of a real Qwen2.5 shape (``tandem.assets.real_shapes``, the
-151,936-token vocabulary), times ``--steps`` train steps on random tokens and as many refits
-(the in-process copy: the trainer's weight stream loaded by the generator; LoRA sends the
-adapters only, ``refit.lora=adapter``), and prints one JSON line per mode (medians of the steps
-after the first) and one line of ratios (lora / full).
+For each mode it builds a ``TrainerWorker`` and a transformers ``GeneratorWorker`` in this
+process on a random model of a real Qwen2.5 shape (``tandem.assets.real_shapes``, the
+151,936-token vocabulary), bf16 weights, and times ``--steps`` rounds of: a train step on random
+tokens, a refit (the in-process copy: the trainer's weight stream loaded by the generator), a
+generation (``--gen-prompts`` x ``--gen-tokens``), the trainer's offload and onload. Modes:
 
-    PYTHONPATH=src python bench/lora.py [--shape 1.5b] [--rank 32] [--batch 8] [--seq 512]
+- ``full``: every weight trains; the refit sends every weight;
+- ``lora``: rank ``--rank`` adapters (alpha 2 x rank) on every linear projection, the base
+  frozen; the refit sends the adapters only (``refit.lora=adapter``, peft's layers on the
+  generator); the offload moves the base too (``policy.lora.offload_base``, the default);
+- ``lora_keep_base``: as ``lora``, the offload leaving the frozen base on the device
+  (``policy.lora.offload_base=false``);
+- ``lora_merged``: as ``lora``, the refit sending merged full weights (``refit.lora=merged``;
+  the generator computes without adapters).
+
+One JSON line per mode (medians of the rounds after the first; device bytes per phase: at rest
+with trainer and generator built, the peaks of train, refit and generation, allocated after the
+offload), then one line of each LoRA mode's ratios to ``full`` with the goals (refit time
+<= 5 %, bytes <= 2 % of the full refit's). ``--tiny`` is a CPU check of the whole script on a
+one-layer 0.5B shape. Lines also go to $BENCH_JSONL when set.
+
+    PYTHONPATH=src:bench python bench/lora.py [--shape 1.5b] [--rank 32] [--batch 8] [--seq 512]
+        [--modes full lora lora_keep_base lora_merged] [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import tempfile
 import time
@@ -24,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ceilings import emit
 
 from tandem.algorithms.losses import nll_loss
 from tandem.assets.real_shapes import write_real_shape
@@ -31,6 +45,11 @@ from tandem.cluster.actors import GeneratorWorker, TrainerWorker
 from tandem.config.lora import LoraConfig
 from tandem.config.models import GenerationConfig, OptimizerConfig, PolicyConfig, RefitConfig
 from tandem.data.batch import TrainBatch
+from tandem.generation.base import SamplingParams
+
+MODES = ("full", "lora", "lora_keep_base", "lora_merged")
+GOALS = {"refit_s": 0.05, "refit_bytes": 0.02}
+"""LoRA refit / full refit at rank 32 on the 1.5B shape: time, bytes."""
 
 
 def _sync() -> None:
@@ -90,6 +109,8 @@ def _measure(
         figures.setdefault(key, []).append(value)
 
     vocab = trainer.policy.lm.config.vocab_size
+    prompts = torch.randint(0, vocab, (args.gen_prompts, 16), generator=torch.Generator())
+    sampling = SamplingParams(temperature=1.0, max_tokens=args.gen_tokens, seed=0)
     for step in range(args.steps):
         batch = _batch(args.batch, args.seq, vocab, step)
         with _Timer() as timer:
@@ -103,6 +124,10 @@ def _measure(
         add("refit_bytes", float(sent[0]))
         add("refit_peak_bytes", _peak())
         with _Timer() as timer:
+            generator.generate(prompts.tolist(), sampling)
+        add("generate_s", timer.seconds)
+        add("generate_peak_bytes", _peak())
+        with _Timer() as timer:
             trainer.set_residency(policy=False)
         add("offload_s", timer.seconds)
         add("allocated_after_offload_bytes", _allocated())
@@ -113,7 +138,12 @@ def _measure(
 
 
 def run_mode(model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    lora = LoraConfig(rank=args.rank, alpha=2 * args.rank) if mode == "lora" else None
+    keep_base = mode == "lora_keep_base"
+    lora = (
+        LoraConfig(rank=args.rank, alpha=2 * args.rank, offload_base=not keep_base)
+        if mode != "full"
+        else None
+    )
     policy = PolicyConfig(
         model_path=model,
         dtype="bfloat16",
@@ -123,7 +153,9 @@ def run_mode(model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]
         lora=lora,
     )
     generation = GenerationConfig(backend="hf", max_lora_rank=args.rank if lora else None)
-    refit = RefitConfig(transport="colocated", lora="adapter")
+    refit = RefitConfig(
+        transport="colocated", lora="merged" if mode == "lora_merged" else "adapter"
+    )
     _peak()
     trainer = TrainerWorker(policy, refit, generation)
     generator = GeneratorWorker(generation, str(model))
@@ -153,8 +185,16 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--modes", nargs="+", default=["full", "lora"])
+    parser.add_argument("--gen-prompts", type=int, default=64)
+    parser.add_argument("--gen-tokens", type=int, default=128)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument(
+        "--tiny", action="store_true", help="a CPU check: one layer of 0.5B, small batches"
+    )
     args = parser.parse_args()
+    if args.tiny:
+        args.shape, args.layers, args.batch, args.micro_batch = "0.5b", 1, 2, 2
+        args.seq, args.steps, args.gen_prompts, args.gen_tokens = 32, 2, 2, 4
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         model = write_real_shape(
@@ -163,18 +203,21 @@ def main() -> None:
         results = {}
         for mode in args.modes:
             results[mode] = run_mode(model, mode, args)
-            print(json.dumps(results[mode] | {"shape": args.shape}), flush=True)
+            emit(results[mode] | {"shape": args.shape, "layers": args.layers})
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    if {"full", "lora"} <= results.keys():
-        full, lora = results["full"], results["lora"]
-        ratios = {
-            key: lora[key] / full[key]
-            for key in ("train_step_s", "train_peak_bytes", "refit_s", "refit_bytes")
-            if full[key]
-        }
-        print(json.dumps({"figure": "lora_over_full", "shape": args.shape, **ratios}), flush=True)
+    for mode in [mode for mode in results if mode != "full" and "full" in results]:
+        full, lora = results["full"], results[mode]
+        keys = ("train_step_s", "train_peak_bytes", "refit_s", "refit_bytes", "generate_s")
+        ratios = {key: round(lora[key] / full[key], 5) for key in keys if full[key]}
+        goals = {f"{key}_goal": GOALS[key] for key in GOALS if mode != "lora_merged"}
+        met = {f"{key}_met": ratios[key] <= GOALS[key] for key in GOALS if key in ratios}
+        emit(
+            {"figure": "lora_over_full", "mode": mode, "shape": args.shape, "rank": args.rank}
+            | ratios
+            | (goals | met if goals else {})
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ Run by ``e2e_cpu.py`` (in a scratch venv it builds: TRL is not a tandem dependen
 
     python bench/trl_peer.py --model DIR --prompts prompts.jsonl --reward exact_match
         --steps 8 --prompts-per-step 8 --generations 8 --max-tokens 8 [--bf16]
+        [--lora-rank 16 --lora-alpha 32 --lora-targets q_proj k_proj ...]
+
+``--lora-rank`` trains peft LoRA adapters (``GRPOTrainer(peft_config=...)``) on the modules
+``--lora-targets`` names (the callers pass tandem's ``policy.lora`` default: every linear
+projection of the decoder layers).
 """
 
 from __future__ import annotations
@@ -36,6 +41,24 @@ def reward_function(name: str) -> Any:
     return reward
 
 
+def lora_config(rank: int, alpha: int, targets: list[str]) -> Any:
+    """peft's LoraConfig of ``rank`` adapters on ``targets``, or None (``rank`` 0)."""
+    if rank <= 0:
+        return None
+    if not targets:
+        raise SystemExit("--lora-rank needs --lora-targets")
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=0.0,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True)
@@ -52,6 +75,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--no-gradient-checkpointing", action="store_true", help="(TRL's default: on)"
+    )
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full weights)")
+    parser.add_argument("--lora-alpha", type=int, default=32)
+    parser.add_argument("--lora-targets", nargs="+", default=[], help="module names (LoRA)")
+    parser.add_argument(
+        "--model-dtype", choices=["float32", "bfloat16"], default="float32", help="load dtype"
     )
     parser.add_argument("--label", default="trl")
     args = parser.parse_args()
@@ -85,6 +114,7 @@ def main() -> None:
         use_cpu=not torch.cuda.is_available(),
         seed=0,
         disable_dropout=True,
+        model_init_kwargs={"dtype": getattr(torch, args.model_dtype)},
     )
     stamps: list[float] = []
 
@@ -100,7 +130,10 @@ def main() -> None:
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
         callbacks=[StepClock()],
+        peft_config=lora_config(args.lora_rank, args.lora_alpha, args.lora_targets),
     )
+    trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    print(json.dumps({"figure": "trl_trainable_params", "label": args.label, "value": trained}))
     start = time.perf_counter()
     trainer.train()
     for step, (before, after) in enumerate(zip([start, *stamps], stamps, strict=False), 1):
