@@ -197,6 +197,33 @@ def test_sampling_draws_from_the_softmax_and_depends_only_on_key_and_step(
     assert torch.equal(half, draws[:100])  # these logits are exact in bf16
 
 
+def test_plain_sampling_reads_the_model_dtype_and_gives_raw_logprobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Temperature 1 without top-k/top-p (``_plain_draws``: one softmax of the bf16 logits
+    into fp32): frequencies follow the softmax, the logprob is the raw log-softmax's within
+    1e-5, and a row's draw does not depend on the block size or the rows around it."""
+    from tandem.generation.hf_generator import sample_keys, sample_tokens
+
+    generator = torch.Generator().manual_seed(0)
+    base = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0])
+    wide = torch.randn(4_000, 1_000, generator=generator).bfloat16()  # and a wide vocabulary
+    for logits in (base.expand(40_000, 5).bfloat16(), wide):
+        keys = sample_keys(list(range(len(logits))), torch.device("cpu"))
+        draws, logprobs = sample_tokens(logits, keys, 3, SamplingParams())
+        expected = torch.log_softmax(logits.float(), -1).gather(-1, draws[:, None])[:, 0]
+        assert torch.allclose(logprobs, expected, atol=1e-5, rtol=0)
+        monkeypatch.setattr(hf_generator, "SAMPLE_BLOCK", 3 * logits.shape[1])
+        blocked, _ = sample_tokens(logits[:100], keys[:100], 3, SamplingParams())
+        monkeypatch.undo()
+        assert torch.equal(blocked, draws[:100])
+    assert len(set(draws.tolist())) > 900  # (the wide ones) spread over the vocabulary
+    keys = sample_keys(list(range(40_000)), torch.device("cpu"))
+    draws, _ = sample_tokens(base.expand(40_000, 5).bfloat16(), keys, 3, SamplingParams())
+    frequencies = torch.bincount(draws, minlength=5).double() / len(draws)
+    assert frequencies.tolist() == pytest.approx(torch.softmax(base, -1).tolist(), abs=0.01)
+
+
 def test_static_cache_decode_matches_the_dynamic_cache(generator: HfGenerator) -> None:
     """The GPU's decode path (static cache, prepared masks; graphs aside) run on the CPU: the
     same sampled tokens and logprobs as the dynamic cache, over left-padded prompts of three

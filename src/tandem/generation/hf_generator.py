@@ -140,6 +140,19 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def _plain_draws(block: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens of ``softmax(block)`` by inverse CDF at ``uniform`` and their raw logprobs, with
+    ``block`` in the model's dtype: one fused softmax reads it and writes the probabilities in
+    fp32 (no fp32 copy of the logits, no separate max, subtraction and exponential passes), and
+    a token's logprob is the log of its probability."""
+    probs = torch.softmax(block, dim=-1, dtype=torch.float32)
+    cdf = probs.cumsum(-1)
+    target = uniform[:, None] * cdf[:, -1:]
+    token = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=block.shape[-1] - 1)
+    picked = probs.gather(-1, token[:, None])[:, 0]
+    return token, picked.clamp_(min=torch.finfo(torch.float32).tiny).log_()
+
+
 def sample_tokens(
     logits: torch.Tensor, keys: torch.Tensor, step: int, params: SamplingParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +162,8 @@ def sample_tokens(
     Greedy, or inverse-CDF sampling of the filtered distribution with one counter-based
     uniform per row (``uniform_draws``): exact sampling from a cumulative sum, no sort and no
     noise over the vocabulary. Rows go through fp32 a block at a time (``SAMPLE_BLOCK``), so on a
-    CPU a 151,936-token vocabulary costs no fp32 copy of the batch's logits."""
+    CPU a 151,936-token vocabulary costs no fp32 copy of the batch's logits; the plain
+    distribution (temperature 1, no top-k/top-p: RL's usual) takes ``_plain_draws``."""
     size, vocab = logits.shape
     limit = SAMPLE_BLOCK_CUDA if logits.is_cuda else SAMPLE_BLOCK
     rows = max(1, limit // vocab)
@@ -157,16 +171,18 @@ def sample_tokens(
     plain = params.temperature == 1 and params.top_p >= 1 and not 0 < params.top_k < vocab
     tokens, logprobs = [], []
     for start in range(0, size, rows):
+        if uniform is not None and plain:
+            token, logprob = _plain_draws(logits[start : start + rows], uniform[start:][:rows])
+            tokens.append(token)
+            logprobs.append(logprob)
+            continue
         block = logits[start : start + rows].float()
         top = block.max(dim=-1, keepdim=True).values
-        weights = (block - top).exp_()  # the softmax's numerators, in (0, 1]
-        lse = top[:, 0] + weights.sum(-1).log()
+        lse = top[:, 0] + (block - top).exp_().sum(-1).log()
         if uniform is None:
             token = block.argmax(dim=-1)
-        else:
-            if not plain:  # the filtered distribution's own numerators
-                weights = torch.softmax(filter_logits(block, params), dim=-1)
-            cdf = weights.cumsum_(-1)
+        else:  # the filtered distribution's own numerators
+            cdf = torch.softmax(filter_logits(block, params), dim=-1).cumsum_(-1)
             target = uniform[start : start + rows, None] * cdf[:, -1:]
             token = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=vocab - 1)
         tokens.append(token)
