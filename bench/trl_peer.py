@@ -119,8 +119,12 @@ def main() -> None:
     stamps: list[float] = []
 
     class StepClock(TrainerCallback):  # type: ignore[misc]
+        """Prints each step's line as it ends, so a run stopped at a time limit keeps them."""
+
         def on_step_end(self, *_: Any, **__: Any) -> None:
             stamps.append(time.perf_counter())
+            record = {"figure": "trl_step_s", "label": args.label, "step": len(stamps) - 1}
+            print(json.dumps({**record, "value": round(stamps[-1] - stamps[-2], 4)}), flush=True)
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     trainer = GRPOTrainer(
@@ -134,11 +138,8 @@ def main() -> None:
     )
     trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     print(json.dumps({"figure": "trl_trainable_params", "label": args.label, "value": trained}))
-    start = time.perf_counter()
+    stamps.append(time.perf_counter())  # the start
     trainer.train()
-    for step, (before, after) in enumerate(zip([start, *stamps], stamps, strict=False), 1):
-        record = {"figure": "trl_step_s", "label": args.label, "step": step}
-        print(json.dumps({**record, "value": round(after - before, 4)}), flush=True)
 
 
 if __name__ == "__main__":
