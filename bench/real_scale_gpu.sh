@@ -1,31 +1,38 @@
 #!/usr/bin/env bash
-# A batch of cells of the real-scale matrix on one GPU: random Qwen2.5 shapes with the
-# 151,936-token vocabulary, 32 prompts x 8 samples, response lengths spread up to the cap,
-# fp32 masters + bf16 compute with activation checkpointing, tandem and TRL alternating.
-# JSON lines go to $OUT/real_scale.jsonl (each cell's log beside it); a cell that runs past
-# its time limit or fails leaves a {"figure": "cell", "rc": ...} line saying so.
+# One cell of the real-scale matrix per call (each fits a 10-minute call): a random Qwen2.5
+# shape with the 151,936-token vocabulary, 32 prompts x 8 samples of up to 2048 tokens with
+# lengths spread by an EOS bias (mean asked: 512), fp32 masters + bf16 compute, activation
+# checkpointing; tandem (generation.backend=hf, cluster.env_mode=shared) and then TRL's
+# GRPOTrainer on the same work, each in its own process under the time left
+# (bench/real_scale.py). JSON lines on stdout and in $OUT/real_scale.jsonl (each part's log
+# beside it); a part that fails or runs out of time leaves a real_scale_error /
+# real_scale_unfinished line and the cell goes on; real_scale_cell ends the cell.
 #
-#   bash bench/real_scale_gpu.sh SHAPE:MAX_TOKENS:SECONDS[:trl] ...
-#   e.g. bash bench/real_scale_gpu.sh 0.5b:2048:360:trl 1.5b:2048:400:trl 7b:2048:500
-# Environment: OUT (default /tmp/real-scale), STEPS (default 2), PYTHON (default python3),
-# EXTRA (more e2e_gpu.py arguments, e.g. "--layers 1 --prompts 2" for a dry run on a CPU).
+#   bash bench/real_scale_gpu.sh CELL [bench/real_scale.py options]
+#   CELL: 0.5b | 1.5b | 3b | 7b, or tiny (a CPU check of the whole path: the 0.5B width with one
+#         layer, 2 prompts x 2 samples of up to 32 tokens)
+#   e.g.  bash bench/real_scale_gpu.sh 0.5b                  # tandem, then TRL with the rest
+#         bash bench/real_scale_gpu.sh 1.5b --sides tandem   # TRL in the next call:
+#         bash bench/real_scale_gpu.sh 1.5b --sides trl
+#         bash bench/real_scale_gpu.sh 1.5b --prompts 16     # less work where time runs short
+# Environment: OUT (default /tmp/real-scale), PYTHON (default python3), TRL_PYTHON (a Python
+# with TRL; default PYTHON). On the GPU machine, first:
+#   bash .gpu/unpack.sh && export PYTHONPATH=$PWD/.gpu/site:$PWD/src
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
-OUT=${OUT:-/tmp/real-scale}
-mkdir -p "$OUT"
-export BENCH_JSONL="$OUT/real_scale.jsonl"
-export PYTHONPATH="$here:${PYTHONPATH:-}"
-for cell in "$@"; do
-    IFS=: read -r shape max_tokens seconds trl <<<"$cell"
-    mean=$((max_tokens / 4))  # geometric-like lengths: tens of tokens to the cap
-    args=(--shapes "$shape" --real-vocab --mean-length "$mean" --max-tokens "$max_tokens"
-          --steps "${STEPS:-2}" --prompts 32 --generations 8 --mixed-precision
-          --activation-checkpointing --micro-batch-size 8 --max-tokens-per-micro-batch 16384)
-    if [ "$trl" = "trl" ]; then args+=(--trl --rounds 1 --trl-micro-batch 8); fi
-    # shellcheck disable=SC2086
-    timeout --signal=INT --kill-after=20 "$seconds" "${PYTHON:-python3}" "$here/e2e_gpu.py" \
-        "${args[@]}" ${EXTRA:-} >"$OUT/cell-$shape-$max_tokens.log" 2>&1
-    rc=$?
-    printf '{"figure": "cell", "shape": "%s", "max_tokens": %s, "trl": "%s", "rc": %s, "limit_s": %s}\n' \
-        "$shape" "$max_tokens" "$trl" "$rc" "$seconds" >>"$BENCH_JSONL"
-done
+cell=${1:-}
+shift || true
+case "$cell" in
+    0.5b | 1.5b | 3b | 7b) args=(--shape "$cell") ;;
+    tiny) args=(--shape 0.5b --layers 1 --prompts 2 --generations 2 --max-tokens 32
+                --micro-batch-size 4 --max-tokens-per-micro-batch 512 --trl-micro-batch 2
+                --budget-s 1500 --trl-reserve-s 300) ;;
+    *)
+        printf '{"figure": "real_scale_error", "part": "cell", "why": "unknown cell %s: give 0.5b, 1.5b, 3b, 7b or tiny"}\n' "$cell"
+        exit 2 ;;
+esac
+export PYTHONPATH="$here:$here/../src:${PYTHONPATH:-}"
+export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
+python=${PYTHON:-python3}
+exec "$python" "$here/real_scale.py" "${args[@]}" --python "$python" \
+    --trl-python "${TRL_PYTHON:-$python}" --out "${OUT:-/tmp/real-scale}" "$@"
