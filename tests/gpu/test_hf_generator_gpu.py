@@ -18,12 +18,20 @@ pytestmark = [
 ]
 
 
-def test_graphed_decode_matches_the_dynamic_cache() -> None:
+@pytest.mark.parametrize("bucket", [256, 4])
+def test_graphed_decode_matches_the_dynamic_cache(
+    bucket: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also with windows of 4 positions: a graph per window (and per compaction), each step
+    attending over the positions written so far, grouped heads folded (``register_gqa_sdpa``)."""
+    from tandem.generation import static_decode
+
+    monkeypatch.setattr(static_decode, "CACHE_BUCKET", bucket)
     generator = HfGenerator(DEFAULT_MODEL_DIR, device="cuda:0", dtype="float32")
     prompts = [generator.tokenizer.encode(p) for p in ["17+25=", "3-1=", "99+99=", "7*8="]]
-    params = SamplingParams(temperature=1.0, max_tokens=12, n=4, seed=3)
+    params = SamplingParams(temperature=2.0, max_tokens=12, n=4, seed=3)  # (lengths 2-12)
     graphed = generator.generate(prompts, params)
-    assert generator.cuda_graphs  # the capture held
+    assert generator.cuda_graphs  # the captures held
     generator.static_cache = generator.cuda_graphs = False
     dynamic = generator.generate(prompts, params)
     assert [r.response_token_ids for r in graphed] == [r.response_token_ids for r in dynamic]
