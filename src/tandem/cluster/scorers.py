@@ -75,15 +75,24 @@ class RewardModelWorker:
 
 class TeacherWorker:
     """A frozen causal LM (the distillation teacher) giving per-token logprobs of the student's
-    sequences; it shares the student's tokenizer (checked before it starts)."""
+    sequences, of its logits divided by ``temperature``; it shares the student's tokenizer
+    (checked before it starts)."""
 
-    def __init__(self, policy: PolicyConfig, path: str, offload: bool, rank: int = 0):
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        path: str,
+        offload: bool,
+        temperature: float = 1.0,
+        rank: int = 0,
+    ):
         from tandem.trainer import PolicyTrainer
 
         config = policy.model_copy(
             update={"model_path": Path(path), "lora": None, "cpu_offload": False}
         )
         self.teacher = PolicyTrainer(config, rank=rank, world_size=1, trainable=False)
+        self.teacher.model.temperature = temperature
         self.offload = offload and self.teacher.device.type == "cuda"
         if self.offload:
             self.teacher.offload()
@@ -274,7 +283,12 @@ def _workers(config: GrpoConfig) -> dict[str, tuple[type, dict[str, Any]]]:
     if config.algorithm.teacher is not None:
         workers["teacher"] = (
             TeacherWorker,
-            dict(policy=config.policy, path=str(config.algorithm.teacher), offload=offload),
+            dict(
+                policy=config.policy,
+                path=str(config.algorithm.teacher),
+                offload=offload,
+                temperature=config.algorithm.teacher_temperature,
+            ),
         )
     return workers
 

@@ -313,6 +313,9 @@ class AlgorithmConfig(Section):
     advantage (reward.rule_weight: 0 distils alone); None: no teacher."""
     distill_coef: float = Field(1.0, ge=0)
     """Weight of the per-token reverse-KL advantage of the teacher (with algorithm.teacher)."""
+    teacher_temperature: float = Field(1.0, gt=0)
+    """The teacher's logprobs are those of its logits divided by this: below 1 the student is
+    distilled towards a sharper teacher, whose samples are closer to its greedy answers."""
 
 
 class DataConfig(Section):
