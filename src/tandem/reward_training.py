@@ -53,6 +53,7 @@ def run_rm(config: RmConfig, resume: bool = False) -> list[dict[str, Any]]:
         dtype=config.model.dtype,
         max_length=config.model.max_length,
         seed=algo.seed,
+        trainable_layers=config.model.trainable_layers,
     )
     pairs = PromptSource(train, held_out, trainer.tokenizer, load_reward("exact_match"), algo.seed)
     resume_gc()

@@ -48,6 +48,32 @@ def test_the_trainer_fits_pairs_it_trains_on() -> None:
     assert after["accuracy"] == 1.0
 
 
+def test_trainable_layers_trains_the_top_layers_and_the_head_only() -> None:
+    """``model.trainable_layers: 1`` on the 4-layer embedded model: one step moves the last
+    layer, the final norm and the score head; the embeddings and layers 0-2 stay as loaded, and
+    the optimizer holds only what trains."""
+    torch.set_num_threads(1)
+    trainer = RewardModelTrainer(
+        DEFAULT_MODEL_DIR, OptimizerConfig(lr=1e-2), total_steps=1, trainable_layers=1
+    )
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train_step(PAIRS)
+    moved = {
+        name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])
+    }
+    assert "score.weight" in moved and "model.norm.weight" in moved
+    assert any(name.startswith("model.layers.3.") for name in moved)
+    assert all(name.startswith(("model.layers.3.", "model.norm", "score")) for name in moved)
+    trained = sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"])
+    assert trained == sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    assert trained < sum(p.numel() for p in trainer.model.parameters()) / 3
+    # more layers than the model has: every layer trains
+    every = RewardModelTrainer(
+        DEFAULT_MODEL_DIR, OptimizerConfig(), total_steps=1, trainable_layers=9
+    )
+    assert all(p.requires_grad for p in every.model.model.layers.parameters())
+
+
 def test_scores_do_not_depend_on_batching_or_padding() -> None:
     model = RewardModel(DEFAULT_MODEL_DIR, seed=3)
     prompts = [p["prompt"] for p in PAIRS]

@@ -34,6 +34,9 @@ class RewardModelConfig(Section):
     """Tokens of prompt + response kept (the end: the score is read at the last token)."""
     optimizer: OptimizerConfig = OptimizerConfig(lr=1e-3, warmup_steps=20)
     """AdamW and learning-rate schedule."""
+    trainable_layers: int | None = Field(None, ge=1)
+    """Train only the last N decoder layers (with the final norm and the score head); the
+    layers below stay as the causal LM learned them. None: every parameter."""
 
 
 class RmAlgorithmConfig(Section):

@@ -111,13 +111,39 @@ class RewardModelTrainer(RewardModel):
         dtype: str = "float32",
         max_length: int = 1024,
         seed: int = 0,
+        trainable_layers: int | None = None,
     ):
         from tandem.trainer.schedule import build_optimizer
 
         super().__init__(path, device, dtype, max_length, trainable=True, seed=seed)
+        if trainable_layers is not None:
+            self.freeze_below(trainable_layers)
         self.max_grad_norm = optimizer.max_grad_norm
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(params, optimizer, total_steps)
+
+    def freeze_below(self, trainable_layers: int) -> None:
+        """Train only the last ``trainable_layers`` decoder layers, the final norm and the score
+        head: the layers below keep the causal LM's features (a fresh head's first, random
+        gradients would otherwise scramble them) and need no backward pass."""
+        body: Any = self.model.base_model  # the decoder (Qwen2Model, LlamaModel...)
+        layers = getattr(body, "layers", None)
+        if layers is None:
+            raise ValueError(
+                f"model.trainable_layers: {type(body).__name__} has no .layers to freeze "
+                "(set model.trainable_layers: null to train every parameter)"
+            )
+        self.model.requires_grad_(False)
+        for module in [
+            *layers[max(0, len(layers) - trainable_layers) :],
+            getattr(body, "norm", None),
+        ]:
+            if module is not None:
+                module.requires_grad_(True)
+        prefix = self.model.base_model_prefix + "."
+        for name, param in self.model.named_parameters():
+            if not name.startswith(prefix):  # the score head
+                param.requires_grad_(True)
 
     def train_step(self, pairs: Sequence[dict[str, str]]) -> dict[str, float]:
         """One optimizer step on ``pairs`` (``prompt``, ``chosen``, ``rejected``)."""
