@@ -8,8 +8,9 @@ steps for three students from the same starting point (the embedded model):
 The teacher is a policy trained by the main job (``--teacher``: its run's ``hf/`` folder; its
 held-out accuracy is read from that run's metrics). Each run is ``tandem grpo`` as a user runs
 it; ``--existing NAME=RUN_DIR`` reuses a finished run instead (e.g. the teacher's own GRPO run as
-the grpo curve). One JSON line per run (its accuracy at each evaluation and the first step that
-reached the teacher's accuracy minus 0.05), then the figure (``--figure``).
+the grpo curve); a NAME that is none of the three adds its run's curve (a variant, e.g. another
+learning rate), labelled NAME. One JSON line per run (its accuracy at each evaluation and the
+first step that reached the teacher's accuracy minus 0.05), then the figure (``--figure``).
 
     ./run.sh python bench/distillation.py --teacher runs/grpo-X/hf [--steps 60]
         [--existing grpo=runs/grpo-X] [--figure docs/figures/distillation.png]
@@ -59,7 +60,7 @@ def main() -> None:
     teacher_curve = accuracy(args.teacher.parent)
     target = teacher_curve[-1][1] - 0.05
     curves = {}
-    for name in RUNS:
+    for name in [*RUNS, *(name for name in existing if name not in RUNS)]:
         run = (
             Path(existing[name])
             if name in existing
@@ -82,7 +83,7 @@ def plot(curves: dict, teacher: float, path: Path, steps: int) -> None:
     labels = {"grpo": "GRPO (exact match)", "distill": "distillation alone", "both": "both"}
     for name, points in curves.items():
         xs, ys = zip(*points, strict=True)
-        ax.plot(xs, ys, "o-", label=labels[name], markersize=3)
+        ax.plot(xs, ys, "o-", label=labels.get(name, name), markersize=3)
     ax.axhline(teacher, color="grey", linestyle="--", label=f"teacher ({teacher:.2f})")
     ax.axhline(teacher - 0.05, color="grey", linestyle=":", label="teacher - 0.05")
     ax.set_xlim(0, max(steps, max(x for pts in curves.values() for x, _ in pts)))
