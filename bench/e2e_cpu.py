@@ -24,7 +24,9 @@ environments), with its own ratio to TRL.
 with peft's ``LoraConfig`` of the same rank, alpha and modules; both at 10 x the workload's
 learning rate (adapters take a larger one: the ``grpo_arithmetic_lora`` recipe). ``--refit-lora
 adapter merged`` runs one tandem side per ``refit.lora`` mode. Every run's line holds the load
-average when it ended (the machine is shared).
+average when it ended and its fastest step after the first; on a machine shared with other
+jobs the ratio of the fastest steps (``fastest_step_ratio``: the least disturbed step of all
+rounds, each side) compares better than the medians.
 
     ./run.sh python bench/e2e_cpu.py [--workloads short main long] [--rounds 3] [--backend hf]
         [--ray] [--lora 16 [--refit-lora adapter merged]]
@@ -121,6 +123,12 @@ def prompts_file(model: Path, prompts: int, steps: int, root: Path) -> Path:
     return path
 
 
+Run = tuple[float, float, dict[str, float], str, float]
+"""A run's median step after the first, whole process seconds, median seconds of the step's
+parts, where its workers ran, and its fastest step after the first (the step the machine's
+other jobs disturbed least: the figure that compares under load)."""
+
+
 def learning_rate(name: str, lora: int) -> float:
     return float(WORKLOADS[name]["lr"]) * (10 if lora else 1)  # type: ignore[arg-type]
 
@@ -133,7 +141,7 @@ def lora_overrides(lora: int, refit: str) -> list[str]:
 
 def run_tandem(
     name: str, model: Path, root: Path, index: int, backend: str, extra: list[str], lr: float
-) -> tuple[float, float, dict[str, float], str]:
+) -> Run:
     """(median step, whole process seconds, median seconds of the step's parts, where its log
     says the workers ran) of ``tandem grpo`` on the workload with the ``extra`` overrides."""
     work = WORKLOADS[name]
@@ -177,12 +185,13 @@ def run_tandem(
     }
     where = next(line for line in out.stderr.splitlines() if line.startswith("workers: "))
     where = where.removeprefix("workers: ").split(" (")[0]
-    return statistics.median(row["timing/step_s"] for row in rows), whole, parts, where
+    steps = [row["timing/step_s"] for row in rows]
+    return statistics.median(steps), whole, parts, where, min(steps)
 
 
 def run_trl(
     name: str, model: Path, prompts: Path, python: Path, index: int, lora: int, lr: float
-) -> tuple[float, float, dict[str, float], str]:
+) -> Run:
     from tandem.config.lora import LINEAR_PROJECTIONS
 
     work = WORKLOADS[name]
@@ -209,7 +218,8 @@ def run_trl(
     if out.returncode != 0 or not steps:
         raise RuntimeError(f"TRL run failed ({out.returncode}):\n{out.stderr[-3000:]}")
     trained = next(line["value"] for line in lines if line["figure"] == "trl_trainable_params")
-    return statistics.median(steps[1:]), whole, {}, f"GRPOTrainer, {trained} trainable parameters"
+    where = f"GRPOTrainer, {trained} trainable parameters"
+    return statistics.median(steps[1:]), whole, {}, where, min(steps[1:])
 
 
 def spread(values: list[float]) -> list[float]:
@@ -227,14 +237,15 @@ def tandem_sides(args: argparse.Namespace) -> dict[str, list[str]]:
     return sides
 
 
-def run_line(name: str, side: str, index: int, run: tuple) -> dict:
-    step, whole, parts, where = run
+def run_line(name: str, side: str, index: int, run: Run) -> dict:
+    step, whole, parts, where, fastest = run
     return {
         "figure": "e2e_cpu_run",
         "workload": name,
         "side": side,
         "round": index,
         "step_s": round(step, 4),
+        "fastest_step_s": round(fastest, 4),
         "process_s": round(whole, 2),
         **({"parts_s": parts} if parts else {}),
         **({"workers": where} if where else {}),
@@ -263,9 +274,7 @@ def main() -> None:
         model = model_path(name, root)
         prompts = prompts_file(model, WORKLOADS[name]["prompts"], WORKLOADS[name]["steps"], root)
         lr = learning_rate(name, args.lora)
-        runs: dict[str, list[tuple[float, float, dict[str, float], str]]] = {
-            side: [] for side in [*extras, "trl"]
-        }
+        runs: dict[str, list[Run]] = {side: [] for side in [*extras, "trl"]}
         loads: list[float] = []
         for index in range(args.rounds):
             for side, extra in extras.items():
@@ -276,6 +285,7 @@ def main() -> None:
             loads.append(os.getloadavg()[0])
         step = {side: statistics.median(v[0] for v in values) for side, values in runs.items()}
         whole = {side: statistics.median(v[1] for v in values) for side, values in runs.items()}
+        fastest = {side: min(v[4] for v in values) for side, values in runs.items()}
         for side in extras:
             emit(
                 {
@@ -292,6 +302,9 @@ def main() -> None:
                     "round_ratios": [
                         round(t[0] / r[0], 3) for t, r in zip(runs[side], runs["trl"], strict=True)
                     ],
+                    "fastest_step_ratio": round(fastest[side] / fastest["trl"], 3),
+                    "tandem_fastest_step_s": round(fastest[side], 4),
+                    "trl_fastest_step_s": round(fastest["trl"], 4),
                     "tandem_step_spread": spread([v[0] for v in runs[side]]),
                     "trl_step_spread": spread([v[0] for v in runs["trl"]]),
                     "tandem_process_s": round(whole[side], 2),
