@@ -16,11 +16,12 @@ generation (``--gen-prompts`` x ``--gen-tokens``), the trainer's offload and onl
 - ``lora_merged``: as ``lora``, the refit sending merged full weights (``refit.lora=merged``;
   the generator computes without adapters).
 
-One JSON line per mode (medians of the rounds after the first; device bytes per phase: at rest
-with trainer and generator built, the peaks of train, refit and generation, allocated after the
-offload), then one line of each LoRA mode's ratios to ``full`` with the goals (refit time
-<= 5 %, bytes <= 2 % of the full refit's). ``--tiny`` is a CPU check of the whole script on a
-one-layer 0.5B shape. Lines also go to $BENCH_JSONL when set.
+One JSON line per mode (medians of the rounds after the first; device bytes per phase: the
+trainer's and the generator's at build, the peaks of train, refit and generation, allocated
+after the trainer's offload and the trainer's share of it), then one line of each LoRA mode's
+ratios to ``full`` with the goals (refit time <= 5 %, bytes <= 2 % of the full refit's).
+``--tiny`` is a CPU check of the whole script on a one-layer 0.5B shape. Lines also go to
+$BENCH_JSONL when set.
 
     PYTHONPATH=src:bench python bench/lora.py [--shape 1.5b] [--rank 32] [--batch 8] [--seq 512]
         [--modes full lora lora_keep_base lora_merged] [--tiny]
@@ -157,7 +158,9 @@ def run_mode(model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]
         transport="colocated", lora="merged" if mode == "lora_merged" else "adapter"
     )
     _peak()
+    before = _allocated()
     trainer = TrainerWorker(policy, refit, generation)
+    built = _allocated()
     generator = GeneratorWorker(generation, str(model))
     resident = _allocated()
     figures = _measure(trainer, generator, args)
@@ -169,10 +172,14 @@ def run_mode(model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]
         "rank": args.rank if lora else None,
         "trainable_params": trained,
         "resident_bytes_trainer_and_generator": resident,
+        "trainer_bytes_at_build": built - before,
+        "generator_bytes_at_load": resident - built,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
     later = slice(1, None) if args.steps > 1 else slice(None)
     out.update({key: statistics.median(values[later]) for key, values in figures.items()})
+    # the trainer's share of what stays after its offload (the generator's weights stay)
+    out["trainer_after_offload_bytes"] = out["allocated_after_offload_bytes"] - (resident - built)
     return out
 
 
