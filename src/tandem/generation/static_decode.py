@@ -3,7 +3,8 @@ the whole decode allocated once (``kv_cache.WindowedLayer``), written in place, 
 attends over the positions written so far rounded up to a bucket of ``CACHE_BUCKET`` positions,
 not over the whole capacity. Each step's inputs live in fixed device buffers, so on a GPU a
 step replays a CUDA graph; one graph is captured per (rows, bucket), i.e. again every
-``CACHE_BUCKET`` steps and when finished rows leave the batch.
+``CACHE_BUCKET`` steps and when finished rows leave the batch (after one eager step of the
+new batch size).
 
 Grouped key/value heads are attended in place (``attention.register_gqa_sdpa``: a decode step's
 query heads fold into rows of their key/value head), so no step copies the cache.
@@ -68,7 +69,8 @@ class StaticDecode:
         self.bucket = CACHE_BUCKET
         self.graph: tuple[Any, torch.Tensor] | None = None
         self.graph_shape: tuple[int, int] | None = None
-        self.warm = False
+        self.warm_rows = 0
+        """The batch size whose step last ran eagerly (warm-up before a capture)."""
 
     def prefill(
         self, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor, steps: int
@@ -127,8 +129,8 @@ class StaticDecode:
         shape = (len(self.token), self.window.length)
         if self.graph is None or self.graph_shape != shape:
             self.graph = None  # captured for another shape; its memory goes with it
-            if not self.warm:  # the decode's first step runs eagerly: it warms the kernels up
-                self.warm = True
+            if self.warm_rows != shape[0]:  # a new batch size's first step runs eagerly: it
+                self.warm_rows = shape[0]  # warms its kernels up (a new window changes no GEMM)
                 return self.forward()
             self.graph, self.graph_shape = capture(self.forward), shape  # records; runs nothing
             if self.graph is None:
