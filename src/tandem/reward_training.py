@@ -54,6 +54,8 @@ def run_rm(config: RmConfig, resume: bool = False) -> list[dict[str, Any]]:
         max_length=config.model.max_length,
         seed=algo.seed,
         trainable_layers=config.model.trainable_layers,
+        unfreeze_after=config.model.unfreeze_after,
+        unfreeze_lr=config.model.unfreeze_lr,
     )
     pairs = PromptSource(train, held_out, trainer.tokenizer, load_reward("exact_match"), algo.seed)
     resume_gc()

@@ -74,6 +74,44 @@ def test_trainable_layers_trains_the_top_layers_and_the_head_only() -> None:
     assert all(p.requires_grad for p in every.model.model.layers.parameters())
 
 
+def test_unfreeze_after_trains_every_parameter_from_that_step_and_resumes(
+    tmp_path: Path,
+) -> None:
+    """``model.unfreeze_after: 1``: step 1 trains the top layer only, step 2 every parameter
+    (a fresh optimizer at ``unfreeze_lr``); a checkpoint written after it resumes into a trainer
+    that trains every parameter with the saved optimizer state."""
+    torch.set_num_threads(1)
+
+    def trainer() -> RewardModelTrainer:
+        return RewardModelTrainer(
+            DEFAULT_MODEL_DIR,
+            OptimizerConfig(lr=1e-2),
+            total_steps=4,
+            trainable_layers=1,
+            unfreeze_after=1,
+            unfreeze_lr=1e-3,
+        )
+
+    first = trainer()
+    embeddings = first.model.model.embed_tokens.weight
+    before = embeddings.detach().clone()
+    first.train_step(PAIRS)
+    assert torch.equal(embeddings, before)
+    metrics = first.train_step(PAIRS)
+    assert not torch.equal(embeddings, before)
+    assert metrics["lr"] == pytest.approx(1e-3)  # unfreeze_lr, not the first 1e-2
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    resumed = trainer()
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert resumed.unfrozen and resumed.steps_done == 2
+    counted = sum(p.numel() for g in resumed.optimizer.param_groups for p in g["params"])
+    assert counted == sum(p.numel() for p in resumed.model.parameters())
+    assert (
+        resumed.optimizer.state_dict()["state"].keys()
+        == first.optimizer.state_dict()["state"].keys()
+    )
+
+
 def test_scores_do_not_depend_on_batching_or_padding() -> None:
     model = RewardModel(DEFAULT_MODEL_DIR, seed=3)
     prompts = [p["prompt"] for p in PAIRS]

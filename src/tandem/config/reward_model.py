@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tandem.assets import DEFAULT_MODEL_DIR
 from tandem.config.models import (
@@ -37,6 +37,20 @@ class RewardModelConfig(Section):
     trainable_layers: int | None = Field(None, ge=1)
     """Train only the last N decoder layers (with the final norm and the score head); the
     layers below stay as the causal LM learned them. None: every parameter."""
+    unfreeze_after: int | None = Field(None, ge=0)
+    """With trainable_layers: every parameter trains after this many steps (a fresh AdamW at
+    unfreeze_lr, its warm-up and schedule over the steps left). None: the top layers only."""
+    unfreeze_lr: float | None = Field(None, gt=0)
+    """Learning rate once every parameter trains; None: optimizer.lr."""
+
+    @model_validator(mode="after")
+    def _unfreeze_needs_frozen_layers(self) -> RewardModelConfig:
+        if self.unfreeze_after is not None and self.trainable_layers is None:
+            raise ValueError(
+                "model.unfreeze_after needs model.trainable_layers (without it every parameter "
+                "trains from the start)"
+            )
+        return self
 
 
 class RmAlgorithmConfig(Section):

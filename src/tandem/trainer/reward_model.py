@@ -100,7 +100,9 @@ class RewardModel:
 
 
 class RewardModelTrainer(RewardModel):
-    """A reward model trained with the Bradley-Terry loss on preference pairs."""
+    """A reward model trained with the Bradley-Terry loss on preference pairs. With
+    ``trainable_layers`` only the top of the model trains; with ``unfreeze_after`` too, every
+    parameter trains from that step on (a linear-probe-then-fine-tune schedule)."""
 
     def __init__(
         self,
@@ -112,15 +114,33 @@ class RewardModelTrainer(RewardModel):
         max_length: int = 1024,
         seed: int = 0,
         trainable_layers: int | None = None,
+        unfreeze_after: int | None = None,
+        unfreeze_lr: float | None = None,
     ):
-        from tandem.trainer.schedule import build_optimizer
-
         super().__init__(path, device, dtype, max_length, trainable=True, seed=seed)
+        self.optimizer_config, self.total_steps = optimizer, total_steps
+        self.unfreeze_after = unfreeze_after if trainable_layers is not None else None
+        self.unfreeze_lr = unfreeze_lr
+        self.steps_done, self.unfrozen = 0, False
         if trainable_layers is not None:
             self.freeze_below(trainable_layers)
         self.max_grad_norm = optimizer.max_grad_norm
+        self._build_optimizer(optimizer, total_steps)
+
+    def _build_optimizer(self, config: OptimizerConfig, steps: int) -> None:
+        from tandem.trainer.schedule import build_optimizer
+
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = build_optimizer(params, optimizer, total_steps)
+        self.optimizer, self.scheduler = build_optimizer(params, config, steps)
+
+    def unfreeze(self) -> None:
+        """Every parameter trains from now on, with a fresh optimizer at ``unfreeze_lr`` whose
+        warm-up and schedule run over the steps left after ``unfreeze_after``."""
+        self.model.requires_grad_(True)
+        lr = self.unfreeze_lr or self.optimizer_config.lr
+        config = self.optimizer_config.model_copy(update={"lr": lr})
+        self._build_optimizer(config, max(1, self.total_steps - (self.unfreeze_after or 0)))
+        self.unfrozen = True
 
     def freeze_below(self, trainable_layers: int) -> None:
         """Train only the last ``trainable_layers`` decoder layers, the final norm and the score
@@ -147,6 +167,10 @@ class RewardModelTrainer(RewardModel):
 
     def train_step(self, pairs: Sequence[dict[str, str]]) -> dict[str, float]:
         """One optimizer step on ``pairs`` (``prompt``, ``chosen``, ``rejected``)."""
+        due = self.unfreeze_after is not None and self.steps_done >= self.unfreeze_after
+        if due and not self.unfrozen:
+            self.unfreeze()
+        self.steps_done += 1
         self.model.train()
         prompts = [p["prompt"] for p in pairs]
         responses = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
@@ -178,6 +202,8 @@ class RewardModelTrainer(RewardModel):
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state(),
+            "steps_done": self.steps_done,
+            "unfrozen": self.unfrozen,
         }
         Path(path).mkdir(parents=True, exist_ok=True)
         torch.save(state, Path(path) / STATE_FILE)
@@ -185,6 +211,9 @@ class RewardModelTrainer(RewardModel):
     def load_checkpoint(self, path: str) -> None:
         state = torch.load(Path(path) / STATE_FILE, map_location=self.device, weights_only=False)
         self.model.load_state_dict(state["model"])
+        self.steps_done = int(state.get("steps_done", 0))
+        if state.get("unfrozen") and not self.unfrozen:
+            self.unfreeze()  # the optimizer of every parameter, whose state follows
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"].cpu())
