@@ -182,3 +182,13 @@ def test_tandem_rm_trains_evaluates_exports_and_resumes(
     # a fresh run into the same folder is refused with one message (exit 2)
     assert main([*args, "algorithm.num_steps=2"]) == 2
     assert "holds an earlier run" in capsys.readouterr().err
+
+
+def test_unfreeze_after_without_trainable_layers_is_a_config_error() -> None:
+    from tandem.config.load import ConfigError, load_config
+    from tandem.config.reward_model import RmConfig
+
+    with pytest.raises(ConfigError, match=r"model\.unfreeze_after needs model\.trainable_layers"):
+        load_config(RmConfig, None, ["model.unfreeze_after=5"])
+    config = load_config(RmConfig, None, ["model.unfreeze_after=5", "model.trainable_layers=1"])
+    assert config.model.unfreeze_after == 5
