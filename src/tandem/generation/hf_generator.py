@@ -322,14 +322,14 @@ class HfGenerator(Generator):
             stopped |= active & torch.isin(token, eos)
             if params.stop:
                 self._cut_stop_strings(tokens, lengths, stopped, stop_cut, params.stop)
-            if step + 1 == steps or bool(stopped.all()):
+            decoding = int((~stopped).sum())  # the step's one host sync (rows left out stopped)
+            if step + 1 == steps or decoding == 0:
                 break
-            if keep is not None:  # drop the stopped rows once they are a part of the batch
-                live = ~_pick(stopped, rows)
-                if int(live.sum()) <= len(live) * COMPACT_AT:
-                    index = live.nonzero().flatten()
-                    keep(index)
-                    rows = _pick(torch.arange(size, device=self.device), rows)[index]
+            batch = size if rows is None else len(rows)
+            if keep is not None and decoding <= batch * COMPACT_AT:  # drop the stopped rows
+                index = (~_pick(stopped, rows)).nonzero().flatten()
+                keep(index)
+                rows = _pick(torch.arange(size, device=self.device), rows)[index]
         return self._samples(tokens, logprobs, lengths, stopped, stop_cut, versions)
 
     def _prefill(
