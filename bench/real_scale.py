@@ -12,7 +12,7 @@ on. JSON lines go to stdout and to ``$OUT/real_scale.jsonl`` (each part's log be
 ``real_scale_cell`` line ends the cell with the ratio where both sides have a step.
 
     python bench/real_scale.py --shape 0.5b [--max-tokens 2048] [--prompts 32] [--steps 2]
-        [--sides tandem trl] [--budget-s 540] [--layers 1 (CPU dry runs)]
+        [--sides tandem trl] [--budget-s 520] [--layers 1 (CPU dry runs)]
 
 ``bench/real_scale_gpu.sh`` runs it with the matrix's settings; docs/performance.md has the
 formulas and the figures.
@@ -362,7 +362,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--trl-micro-batch", type=int, default=8)
     parser.add_argument("--sides", nargs="+", default=["tandem", "trl"], choices=["tandem", "trl"])
     parser.add_argument("--rounds", type=int, default=1, help="more while time is left")
-    parser.add_argument("--budget-s", type=float, default=540.0, help="the whole cell")
+    parser.add_argument("--budget-s", type=float, default=520.0, help="the whole cell")
     parser.add_argument("--trl-reserve-s", type=float, default=150.0, help="kept for TRL")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (CPU checks)")
     parser.add_argument("--python", default=sys.executable)
