@@ -19,7 +19,7 @@
 #   bash bench/lora_gpu.sh --tiny all     every part at a tiny shape (one layer of 0.5B), on a
 #       CPU too: checks the script end to end
 #
-# Environment: OUT (default ./lora-out): lora.jsonl (every JSON line) and a log per part;
+# Environment: OUT (default /tmp/lora-out): lora.jsonl (every JSON line) and a log per part;
 # PYTHON (default python3); TRL_PYTHON (the Python with TRL, default PYTHON). On an offline GPU
 # machine the bundle (scripts/offline_bundle.sh: Ray, pydantic, peft, TRL...) is unpacked first
 # when .gpu/site is missing; PYTHONPATH gets .gpu/site, src and bench.
@@ -28,7 +28,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 tiny=0
 if [ "${1:-}" = "--tiny" ]; then tiny=1; shift; fi
 [ $# -gt 0 ] || { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
-OUT=${OUT:-$root/lora-out}
+OUT=${OUT:-/tmp/lora-out}
 PYTHON=${PYTHON:-python3}
 TRL_PYTHON=${TRL_PYTHON:-$PYTHON}
 mkdir -p "$OUT"
