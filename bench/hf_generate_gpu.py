@@ -6,7 +6,15 @@ eager) and with the dynamic cache, and ``model.generate`` (sampling, its own dyn
 alternating, ``--rounds`` times each. One JSON line per path: the median seconds, the tokens
 per second, and the ratio to ``generate``.
 
+``--model DIR`` takes a model folder instead (e.g. a real-vocabulary shape of
+``tandem.assets.real_shapes``, as ``real_scale.py --sides decode`` does), ``--paths`` picks the
+paths, among them ``tandem_whole_reads``: the decode as it was before its windows (every step
+attends over the whole static cache, transformers' sdpa copying the grouped key/value heads).
+``--roofline`` adds each path's tokens/s against the decode roofline of the same run
+(``real_scale_figures.decode_roofline`` at the device-to-device copy rate).
+
     PYTHONPATH=src:bench python bench/hf_generate_gpu.py [--shape 0.5b] [--rounds 3]
+        [--model DIR --max-tokens 2048 --paths tandem_cuda_graphs tandem_whole_reads --roofline]
 """
 
 from __future__ import annotations
@@ -15,15 +23,20 @@ import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-from ceilings import emit
+from ceilings import emit, measure_ceilings
+from real_scale_figures import decode_roofline, model_sizes
 
 from tandem.assets import write_random_qwen2
 from tandem.assets.real_shapes import QWEN25_SHAPES
-from tandem.generation import SamplingParams
+from tandem.generation import SamplingParams, static_decode
 from tandem.generation.hf_generator import HfGenerator
+
+PATHS = ("tandem_cuda_graphs", "tandem_static_eager", "tandem_dynamic", "transformers_generate")
+WHOLE = "tandem_whole_reads"
 
 
 def main() -> None:
@@ -33,70 +46,94 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", type=Path, default=None, help="a model folder to use")
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=[*PATHS, WHOLE])
+    parser.add_argument("--roofline", action="store_true")
     args = parser.parse_args()
-    path = Path(tempfile.gettempdir()) / f"hfgen-qwen2-{args.shape}"
-    write_random_qwen2(path, QWEN25_SHAPES[args.shape], device="cuda")
-    generator = HfGenerator(path, device="cuda:0", dtype="bfloat16")
-    texts = [f"{a}+{b}=" for a, b in zip(range(11, 99, 3), range(7, 95, 3), strict=False)]
+    path = args.model or Path(tempfile.gettempdir()) / f"hfgen-qwen2-{args.shape}"
+    if args.model is None:
+        write_random_qwen2(path, QWEN25_SHAPES[args.shape], device="cuda")
+    cuda = torch.cuda.is_available()  # (a CPU runs it too, as a check of the script)
+    device = "cuda:0" if cuda else "cpu"
+    bandwidth = measure_ceilings()["d2d_copy_gb_s"] if args.roofline and cuda else 0.0
+    generator = HfGenerator(path, device=device, dtype="bfloat16")
+    texts = [f"{a}+{b}=" for a, b in zip(range(11, 400, 3), range(7, 396, 3), strict=True)]
     prompts = [generator.tokenizer.encode(t) for t in texts][: args.prompts]
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, n=args.generations)
     model, pad = generator.model, generator.pad_token_id
+    attention = model.config._attn_implementation  # the generator's (grouped heads in place)
 
-    def ours(graphs: bool, static: bool) -> int:
-        generator.cuda_graphs, generator.static_cache = graphs, static
-        return sum(len(r.response_token_ids) for r in generator.generate(prompts, params))
+    def ours(graphs: bool, static: bool, whole: bool = False, warm: bool = False) -> int:
+        generator.cuda_graphs, generator.static_cache = graphs and cuda, static
+        static_decode.CACHE_BUCKET = 1 << 30 if whole else 256
+        model.set_attn_implementation("sdpa" if whole else attention)
+        run = replace(params, max_tokens=16) if warm else params
+        return sum(len(r.response_token_ids) for r in generator.generate(prompts, run))
 
-    def transformers_generate() -> int:
+    def transformers_generate(warm: bool = False) -> int:
+        model.set_attn_implementation("sdpa")  # transformers' own attention
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device="cuda:0")
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
         mask = (
-            torch.arange(width, device="cuda:0")[None]
-            >= width - torch.tensor([len(p) for p in prompts], device="cuda:0")[:, None]
+            torch.arange(width, device=device)[None]
+            >= width - torch.tensor([len(p) for p in prompts], device=device)[:, None]
         ).long()
         with torch.inference_mode():
             out = model.generate(
                 input_ids=ids.repeat_interleave(args.generations, 0),
                 attention_mask=mask.repeat_interleave(args.generations, 0),
                 do_sample=True,
-                max_new_tokens=args.max_tokens,
+                max_new_tokens=16 if warm else args.max_tokens,
                 pad_token_id=pad,
                 top_k=0,
             )
         return int((out[:, width:] != pad).sum())
 
-    paths = {
-        "tandem_cuda_graphs": lambda: ours(True, True),
-        "tandem_static_eager": lambda: ours(False, True),
-        "tandem_dynamic": lambda: ours(False, False),
+    every = {
+        "tandem_cuda_graphs": lambda warm=False: ours(True, True, warm=warm),
+        "tandem_static_eager": lambda warm=False: ours(False, True, warm=warm),
+        "tandem_dynamic": lambda warm=False: ours(False, False, warm=warm),
         "transformers_generate": transformers_generate,
+        WHOLE: lambda warm=False: ours(True, True, whole=True, warm=warm),
     }
-    for run in paths.values():  # warm-up
-        run()
+    paths = {name: every[name] for name in args.paths}
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    for run in paths.values():  # warm-up (16 tokens: kernels and graphs, not the whole decode)
+        run(warm=True)
     times: dict[str, list[float]] = {name: [] for name in paths}
     tokens: dict[str, int] = {}
     for _ in range(args.rounds):
         for name, run in paths.items():
-            torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
             tokens[name] = run()
-            torch.cuda.synchronize()
+            sync()
             times[name].append(time.perf_counter() - start)
-    reference = statistics.median(times["transformers_generate"])
+    generate = times.get("transformers_generate")
+    reference = statistics.median(generate) if generate else None
+    rows = len(prompts) * args.generations
+    prompt_mean = statistics.mean(len(p) for p in prompts)
     for name, values in times.items():
         median = statistics.median(values)
-        emit(
-            {
-                "figure": "hf_generate_s",
-                "path": name,
-                "shape": args.shape,
-                "value": round(median, 3),
-                "runs": [round(v, 3) for v in values],
-                "tokens": tokens[name],
-                "tokens_per_s": round(tokens[name] / median),
-                "ratio_to_generate": round(median / reference, 3),
-                "work": f"{args.prompts}x{args.generations}x<={args.max_tokens}",
-            }
-        )
+        record = {
+            "figure": "hf_generate_s",
+            "path": name,
+            "shape": args.shape if args.model is None else args.model.name,
+            "value": round(median, 3),
+            "runs": [round(v, 3) for v in values],
+            "tokens": tokens[name],
+            "tokens_per_s": round(tokens[name] / median),
+            "ratio_to_generate": round(median / reference, 3) if reference else None,
+            "work": f"{args.prompts}x{args.generations}x<={args.max_tokens}",
+        }
+        if bandwidth:
+            sizes = model_sizes(path)
+            response = tokens[name] / rows
+            ceiling = decode_roofline(sizes, rows, prompt_mean, response, bandwidth, 2)
+            record["decode_roofline_tokens_per_s"] = round(ceiling)
+            record["decode_roofline_fraction"] = round(tokens[name] / median / ceiling, 4)
+            record["d2d_copy_gb_s"] = round(bandwidth, 1)
+        emit(record)
 
 
 if __name__ == "__main__":

@@ -217,6 +217,15 @@ def tandem_command(args: argparse.Namespace) -> list[str]:
     return command + [arg for item in args.overrides for arg in ("--set", item)]
 
 
+def decode_command(args: argparse.Namespace, ready: dict[str, Any]) -> list[str]:
+    """The generator alone on the cell's model: its decode now and with the attention it had
+    before its windows (``hf_generate_gpu.py``'s ``tandem_whole_reads``), against the roofline."""
+    command = [args.python, str(BENCH / "hf_generate_gpu.py"), "--model", ready["model"]]
+    command += ["--max-tokens", str(args.max_tokens), "--prompts", str(args.prompts)]
+    command += ["--generations", str(args.generations), "--rounds", "1", "--roofline"]
+    return [*command, "--paths", "tandem_cuda_graphs", "tandem_whole_reads"]
+
+
 def trl_command(args: argparse.Namespace, ready: dict[str, Any], label: str) -> list[str]:
     command = [args.trl_python, str(BENCH / "trl_peer.py"), f"--model={ready['model']}"]
     command += [f"--prompts={ready['prompts']}", "--reward=digit_fraction", "--lr=1e-5"]
@@ -233,7 +242,7 @@ class Cell:
         self.args, self.sink = args, sink
         self.deadline = time.monotonic() + args.budget_s
         self.ready: dict[str, Any] = {}
-        self.results: dict[str, list[dict[str, Any]]] = {"tandem": [], "trl": []}
+        self.results: dict[str, list[dict[str, Any]]] = {"tandem": [], "trl": [], "decode": []}
         self.took: dict[str, float] = {}
 
     def left(self) -> float:
@@ -289,6 +298,11 @@ class Cell:
             self.sink.emit({**partial, "step_s": step_s, "last": steps[-1]})
             self.results["tandem"].append({**steps[-1], "timing/step_s": step_s, "partial": True})
 
+    def decode(self, round_index: int) -> None:
+        done = self.part(f"decode-{round_index}", decode_command(self.args, self.ready))
+        lines = [] if done is None else done[1]
+        self.results["decode"] += [line for line in lines if line["figure"] == "hf_generate_s"]
+
     def trl(self, round_index: int) -> None:
         label = f"{self.args.shape}-{round_index}"
         done = self.part(f"trl-{round_index}", trl_command(self.args, self.ready, label))
@@ -330,6 +344,9 @@ class Cell:
         )
         if tandem and trl:
             record["ratio"] = round(statistics.median(tandem) / statistics.median(trl), 3)
+        for line in self.results["decode"]:  # the generator alone
+            shown = ("tokens_per_s", "decode_roofline_fraction", "value")
+            record[f"decode_{line['path']}"] = {k: line.get(k) for k in shown}
         return record
 
 
@@ -343,6 +360,8 @@ def run_cell(args: argparse.Namespace, sink: Sink) -> None:
             if side == "tandem":  # leave TRL its time when it follows in this round
                 follows = "trl" in args.sides[index + 1 :]
                 cell.tandem(round_index, args.trl_reserve_s if follows else 0.0)
+            elif side == "decode":
+                cell.decode(round_index)
             else:
                 cell.trl(round_index)
     sink.emit(cell.summary())
@@ -360,7 +379,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--micro-batch-size", type=int, default=64)
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=65536)
     parser.add_argument("--trl-micro-batch", type=int, default=8)
-    parser.add_argument("--sides", nargs="+", default=["tandem", "trl"], choices=["tandem", "trl"])
+    parser.add_argument(
+        "--sides", nargs="+", default=["tandem", "trl"], choices=["tandem", "trl", "decode"]
+    )
     parser.add_argument("--rounds", type=int, default=1, help="more while time is left")
     parser.add_argument("--budget-s", type=float, default=520.0, help="the whole cell")
     parser.add_argument("--trl-reserve-s", type=float, default=150.0, help="kept for TRL")

@@ -47,6 +47,23 @@ def model_sizes(path: Path) -> dict[str, int]:
     }
 
 
+def decode_roofline(
+    sizes: dict[str, int],
+    rows: int,
+    prompt: float,
+    response: float,
+    bandwidth_gb_s: float,
+    dtype_bytes: int,
+) -> float:
+    """The most tokens/s a decode of ``rows`` rows can generate at ``bandwidth_gb_s`` (the
+    module docstring's formula; ``prompt``/``response``: mean lengths; ``sizes``:
+    ``model_sizes``)."""
+    weight_bytes = dtype_bytes * (sizes["matmul_params"] + sizes["norm_params"])
+    context = prompt + response / 2
+    step_bytes = weight_bytes + rows * sizes["kv_per_token"] * dtype_bytes * context
+    return rows * bandwidth_gb_s * 1e9 / step_bytes
+
+
 def scale_figures(path: Path, record: dict[str, Any], args: Any) -> dict[str, float]:
     """MFU of the train phase and the decode roofline fraction of one step's ``record`` (or
     of the steps' medians), with ``args.ceilings`` of the same run."""
@@ -58,10 +75,8 @@ def scale_figures(path: Path, record: dict[str, Any], args: Any) -> dict[str, fl
     flops = tokens * (6 * sizes["matmul_params"] + 6 * sizes["layers"] * sizes["hidden"] * sequence)
     peak = args.ceilings["bf16_matmul_tflop_s"] * 1e12
     dtype_bytes = 2 if args.mixed_precision else 4
-    weight_bytes = dtype_bytes * (sizes["matmul_params"] + sizes["norm_params"])
-    context = (sequence - response) + response / 2
-    step_bytes = weight_bytes + rows * sizes["kv_per_token"] * dtype_bytes * context
-    roofline = rows * args.ceilings["d2d_copy_gb_s"] * 1e9 / step_bytes
+    bandwidth = args.ceilings["d2d_copy_gb_s"]
+    roofline = decode_roofline(sizes, rows, sequence - response, response, bandwidth, dtype_bytes)
     generated = rows * response / record["timing/generate_s"]
     return {
         "train_tflop": round(flops / 1e12, 2),

@@ -12,6 +12,7 @@
 #   CELL: 0.5b | 1.5b | 3b | 7b, or tiny (a CPU check of the whole path: the 0.5B width with one
 #         layer, 2 prompts x 2 samples of up to 32 tokens)
 #   e.g.  bash bench/real_scale_gpu.sh 0.5b                  # tandem, then TRL with the rest
+#         bash bench/real_scale_gpu.sh 0.5b --sides decode   # the generator alone, now / before
 #         bash bench/real_scale_gpu.sh 1.5b --sides tandem   # TRL in the next call:
 #         bash bench/real_scale_gpu.sh 1.5b --sides trl
 #         bash bench/real_scale_gpu.sh 1.5b --prompts 16     # less work where time runs short
