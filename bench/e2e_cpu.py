@@ -11,8 +11,9 @@ Workloads (``--workloads``, default short and long):
 
 Each round runs ``tandem grpo`` (its CLI, the main job's recipe with the workload's overrides,
 the default runtime: what a user runs; on this CPU machine trainer and generator in the
-driver's process) and then ``trl_peer.py`` in a scratch venv the bench builds with uv (TRL 1.16
-beside the same torch and transformers as tandem's lock; TRL is not a tandem dependency). A
+driver's process) and ``trl_peer.py`` (in the opposite order every other round) in a
+scratch venv the bench builds with uv (TRL 1.16 beside the same torch and transformers as
+tandem's lock; TRL is not a tandem dependency). A
 run's figure is the median of its steps after the first; one JSON line per run (tandem's with
 the medians of its generate, train and refit parts and the runtime its log names), then per
 workload the medians over rounds, their spread and the ratio. ``--ray`` adds a third run per
@@ -277,11 +278,16 @@ def main() -> None:
         runs: dict[str, list[Run]] = {side: [] for side in [*extras, "trl"]}
         loads: list[float] = []
         for index in range(args.rounds):
-            for side, extra in extras.items():
-                runs[side].append(run_tandem(name, model, root, index, args.backend, extra, lr))
-                emit(run_line(name, side, index, runs[side][-1]))
-            runs["trl"].append(run_trl(name, model, prompts, python, index, args.lora, lr))
-            emit(run_line(name, "trl", index, runs["trl"][-1]))
+            # every other round runs the sides in the opposite order, so no side always runs
+            # first after the peer (or last before it)
+            order = list(runs) if index % 2 == 0 else list(runs)[::-1]
+            for side in order:
+                if side == "trl":
+                    run = run_trl(name, model, prompts, python, index, args.lora, lr)
+                else:
+                    run = run_tandem(name, model, root, index, args.backend, extras[side], lr)
+                runs[side].append(run)
+                emit(run_line(name, side, index, run))
             loads.append(os.getloadavg()[0])
         step = {side: statistics.median(v[0] for v in values) for side, values in runs.items()}
         whole = {side: statistics.median(v[1] for v in values) for side, values in runs.items()}
