@@ -165,9 +165,9 @@ def test_grpo_through_ray_places_the_reward_model_in_the_runs_placement(
 ) -> None:
     """The run reserves a slot for its reward model (colocated: a share of bundle 0) and the
     actor starts there: a step through Ray scores with it."""
-    from tandem.cluster.placement import create_placement
-
     import ray
+
+    from tandem.cluster.placement import create_placement
 
     placement = create_placement("colocated", 1, 1, cpus_per_actor=0.5, num_scorers=1)
     try:
