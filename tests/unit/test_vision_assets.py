@@ -55,7 +55,7 @@ def test_the_processor_expands_one_pad_token_per_merged_patch() -> None:
         in type(AutoImageProcessor.from_pretrained(VISUAL_MODEL_DIR)).__name__
     )
     processor = VisionProcessor(VISUAL_MODEL_DIR, AutoTokenizer.from_pretrained(VISUAL_MODEL_DIR))
-    image = Scene(((0, "circle", "red"),)).draw()
+    image = Scene(((0, "circle"),), "red").draw()
     prompt = processor("count?", [image, image])
     grid = prompt.images.image_grid_thw
     assert grid.tolist() == [[1, 6, 6], [1, 6, 6]]  # 48 px / 8 px patches
@@ -82,10 +82,10 @@ def test_the_model_reads_the_pixels() -> None:
             )
         return out.logits[0, -1]
 
-    one = Scene(((4, "square", "blue"),))
-    three = Scene(((0, "circle", "red"), (4, "square", "blue"), (8, "triangle", "green")))
-    assert torch.equal(last_logits(one), last_logits(one))
-    assert (last_logits(one) - last_logits(three)).abs().max() > 1e-4
+    blue = Scene(((4, "square"),), "blue")
+    red = Scene(((4, "square"),), "red")
+    assert torch.equal(last_logits(blue), last_logits(blue))
+    assert (last_logits(blue) - last_logits(red)).abs().max() > 1e-4
 
 
 def test_an_unknown_embedded_name_is_refused() -> None:

@@ -15,7 +15,7 @@ from tandem.cluster import ray_cluster
 from tandem.config.models import DataConfig
 from tandem.data.images import RowImages, png_bytes
 from tandem.data.prompts import PromptSource, load_prompt_file, load_prompt_items, load_tokenizer
-from tandem.data.visual import MAX_SHAPES, QUESTION, Scene, scenes, write_visual_task
+from tandem.data.visual import COLOURS, QUESTION, Scene, scenes, write_visual_task
 
 
 def _task(tmp_path: Path, num_train: int = 40, num_eval: int = 12) -> Path:
@@ -26,21 +26,23 @@ def test_the_task_files_answer_from_the_image_alone(tmp_path: Path) -> None:
     folder = _task(tmp_path)
     rows = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
     assert len(rows) == 40 and {r["question"] for r in rows} == {QUESTION}  # one text for all
-    assert {r["answer"] for r in rows} <= {str(n) for n in range(1, MAX_SHAPES + 1)}
+    assert {r["answer"] for r in rows} <= {"1", "2", "3", "4"}
     assert len({r["answer"] for r in rows}) > 1
     train_keys = {s.key() for s in scenes(2000, 3, held_out=False)}
     eval_keys = {s.key() for s in scenes(200, 0, held_out=True)}
     assert not train_keys & eval_keys  # no held-out image is trained on
 
 
-def test_a_scene_draws_as_many_shapes_as_it_counts() -> None:
+def test_a_scene_draws_its_shapes_in_its_colour() -> None:
     import numpy as np
 
-    scene = Scene(((0, "circle", "red"), (5, "square", "blue"), (7, "triangle", "yellow")))
+    scene = Scene(((0, "circle"), (5, "square"), (7, "triangle")), "blue")
     pixels = np.asarray(scene.draw())
     coloured = (pixels != 255).any(-1)
     cells = {(y // 16) * 3 + x // 16 for y, x in zip(*coloured.nonzero(), strict=True)}
-    assert cells == {0, 5, 7} and scene.answer == "3"
+    assert cells == {0, 5, 7} and scene.answer == "3"  # blue is the question's 3
+    assert {tuple(p) for p in pixels[coloured]} == {COLOURS["blue"]}
+    assert "3=blue" in QUESTION
 
 
 def test_jsonl_rows_load_with_their_images_and_encode_to_image_prompts(tmp_path: Path) -> None:

@@ -1,15 +1,19 @@
-"""The embedded visual task: count the shapes drawn in a small image.
+"""The embedded visual task: name the colour of the shapes drawn in a small image.
 
 Each 48x48 image is a 3x3 grid of 16-pixel cells (one cell per merged patch of the embedded
-model's vision tower) with 1 to ``MAX_SHAPES`` shapes (circle, square or triangle, each of a
-random colour) in distinct cells. The prompt is the same text for every image, so the answer
-depends on the image alone: a policy that does not look at it scores at chance (1 in
-``MAX_SHAPES``). The answer is an integer (the ``exact_match`` reward).
+model's vision tower) with 1 to ``MAX_SHAPES`` shapes (circle, square or triangle) in distinct
+cells on white, all of one colour. The prompt is the same text for every image (it lists the
+colours' numbers), so the answer depends on the image alone: a policy that does not look at it
+scores at chance (1 in 4). The answer is the colour's number (the ``exact_match`` reward).
+
+(Counting the shapes instead, an answer spread over several image tokens, stayed at chance
+for 300 supervised steps from the random initialisation of the tiny model; the colour is in
+every shape's token.)
 
 The task is written as files a user could have made: ``train.jsonl`` and ``eval.jsonl`` with
 ``question``, ``answer`` and ``image`` (a PNG path relative to the file) columns, read like any
 data file with an image column (``data.image_key``). The held-out split is a fixed hash of an
-image's layout (its cells, shapes and colours), independent of the seed, so no held-out image
+image's layout (its cells, shapes and colour), independent of the seed, so no held-out image
 is trained on.
 """
 
@@ -26,30 +30,32 @@ from typing import Any
 IMAGE_SIZE = 48
 CELL = 16
 MAX_SHAPES = 4
-QUESTION = "How many shapes?"
 COLOURS = {
     "red": (220, 30, 30),
     "green": (30, 170, 50),
     "blue": (40, 60, 220),
     "yellow": (230, 200, 20),
 }
+QUESTION = "Colour of the shapes? " + " ".join(f"{n}={c}" for c, n in zip(COLOURS, "1234"))
 SHAPES = ("circle", "square", "triangle")
-_SPLIT_SALT = b"tandem-visual-v1"
+_SPLIT_SALT = b"tandem-visual-v2"
 EVAL_FRACTION = 0.1
 
 
 @dataclass(frozen=True)
 class Scene:
-    """One image: ``(cell, shape, colour)`` per shape, cells 0..8 row-major."""
+    """One image: ``(cell, shape)`` per shape (cells 0..8 row-major), all of ``colour``."""
 
-    items: tuple[tuple[int, str, str], ...]
+    items: tuple[tuple[int, str], ...]
+    colour: str
 
     @property
     def answer(self) -> str:
-        return str(len(self.items))
+        """The colour's number (1-4, as the question lists them)."""
+        return str(list(COLOURS).index(self.colour) + 1)
 
     def key(self) -> bytes:
-        return json.dumps(sorted(self.items)).encode()
+        return json.dumps([sorted(self.items), self.colour]).encode()
 
     def held_out(self) -> bool:
         digest = hashlib.blake2b(self.key(), key=_SPLIT_SALT, digest_size=8).digest()
@@ -61,10 +67,10 @@ class Scene:
 
         image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
         pen = ImageDraw.Draw(image)
-        for cell, shape, colour in self.items:
-            x, y = (cell % 3) * CELL + 2, (cell // 3) * CELL + 2
-            box = (x, y, x + CELL - 5, y + CELL - 5)
-            fill = COLOURS[colour]
+        fill = COLOURS[self.colour]
+        for cell, shape in self.items:
+            x, y = (cell % 3) * CELL + 1, (cell // 3) * CELL + 1
+            box = (x, y, x + CELL - 3, y + CELL - 3)
             if shape == "circle":
                 pen.ellipse(box, fill=fill)
             elif shape == "square":
@@ -75,10 +81,9 @@ class Scene:
 
 
 def random_scene(rng: random.Random) -> Scene:
-    """A scene of 1..MAX_SHAPES shapes (the count uniform) in distinct cells."""
-    count = rng.randint(1, MAX_SHAPES)
-    cells = rng.sample(range(9), count)
-    return Scene(tuple((c, rng.choice(SHAPES), rng.choice(list(COLOURS))) for c in sorted(cells)))
+    """1..MAX_SHAPES shapes (the count uniform) in distinct cells, of a uniform colour."""
+    cells = sorted(rng.sample(range(9), rng.randint(1, MAX_SHAPES)))
+    return Scene(tuple((c, rng.choice(SHAPES)) for c in cells), rng.choice(list(COLOURS)))
 
 
 def scenes(num: int, seed: int, held_out: bool) -> list[Scene]:
@@ -134,6 +139,6 @@ def cached_visual_task(num_eval: int, seed: int, num_train: int | None = None) -
 
     num_train = NUM_TRAIN if num_train is None else num_train
     base = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
-    folder = base / "data" / f"visual-count-v1-{num_train}-{num_eval}-{seed}"
+    folder = base / "data" / f"visual-colour-v2-{num_train}-{num_eval}-{seed}"
     folder.parent.mkdir(parents=True, exist_ok=True)
     return write_visual_task(folder, num_train, num_eval, seed)
