@@ -36,7 +36,7 @@ COLOURS = {
     "blue": (40, 60, 220),
     "yellow": (230, 200, 20),
 }
-QUESTION = "Colour of the shapes? " + " ".join(f"{n}={c}" for c, n in zip(COLOURS, "1234"))
+QUESTION = "Colour of the shapes? " + " ".join(f"{n}={c}" for n, c in enumerate(COLOURS, 1))
 SHAPES = ("circle", "square", "triangle")
 _SPLIT_SALT = b"tandem-visual-v2"
 EVAL_FRACTION = 0.1
