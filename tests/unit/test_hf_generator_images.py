@@ -60,3 +60,22 @@ def test_a_sample_does_not_depend_on_the_batch_around_it(generator: HfGenerator)
     for a, b in zip(alone, together[:2], strict=True):
         assert a.response_token_ids == b.response_token_ids
         assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-6)
+
+
+def test_the_static_cache_decode_samples_as_the_dynamic_one(generator: HfGenerator) -> None:
+    """The GPU's decode (a static KV cache read in windows) on image prompts, run on the CPU:
+    the same samples as the dynamic cache, the trainer's logprobs within 1e-5."""
+    prompts = _prompts(3)
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=7)
+    dynamic = generator.generate(prompts, params)
+    generator.static_cache = True
+    try:
+        static = generator.generate(prompts, params)
+    finally:
+        generator.static_cache = False
+    assert [r.response_token_ids for r in static] == [r.response_token_ids for r in dynamic]
+    batch = rollouts_to_batch(static, pad_token_id=256)
+    assert batch.generator_logprobs is not None
+    trainer = PolicyTrainer(PolicyConfig(model_path=VISUAL_MODEL_DIR, micro_batch_size=9))
+    gap = (trainer.logprobs(batch) - batch.generator_logprobs).abs() * batch.loss_mask
+    assert float(gap.max()) <= 1e-5
