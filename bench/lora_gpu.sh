@@ -12,7 +12,7 @@
 #       on the device after the trainer's offload), then kept resident (false); every phase's
 #       time, the trainer's bytes after offload / at refit, the device's peak in use
 #   bash bench/lora_gpu.sh 7b-offload | 7b-resident     one of the two 7B runs (on a GPU: one
-#       call each, since each may take most of its 540 s; the first writes the random 7B model
+#       call each, since each may take most of its 500 s; the first writes the random 7B model
 #       to /tmp/tandem-e2e, which a second call on the same warm machine reuses)
 #   bash bench/lora_gpu.sh trl            (c) the 1.5B LoRA GRPO step, tandem and TRL's
 #       GRPOTrainer (peft LoraConfig of the same rank and modules) alternating
@@ -52,7 +52,7 @@ else
          --max-tokens 128 --micro-batch-size 8 --activation-checkpointing)
     small=(--shapes 1.5b --lora 32 --steps 3 --prompts 8 --generations 8 --mean-length 32
            --max-tokens 128 --micro-batch-size 8 --activation-checkpointing --trl-micro-batch 8)
-    limit=(540 540 560)
+    limit=(500 500 500)  # room for the bundle's unpack in a 10-minute call
 fi
 
 part() {  # name, limit in seconds, command...
