@@ -15,6 +15,7 @@ from tandem.algorithms.losses import nll_loss
 from tandem.config.models import OptimizerConfig, PolicyConfig
 from tandem.data.batch import TrainBatch
 from tandem.trainer import PolicyTrainer
+from tandem.trainer.offload import release_device_caches
 
 megatron = pytest.importorskip("megatron.core", reason="needs megatron-core (the megatron extra)")
 
@@ -57,7 +58,9 @@ def test_megatron_matches_fsdp2_fp32() -> None:
     ref = PolicyTrainer(config(), device="cuda:0")
     meg = MegatronTrainer(config(backend="megatron"), device="cuda:0")
     (a, ea), (b, eb) = meg.logprobs(data, True), ref.logprobs(data, True)
-    assert float(((a - b).abs() * mask).max()) <= 1e-5
+    # logprobs near -17 here: 2e-5 is ~10 float32 ulps (1.05e-5 measured on an H200; the two
+    # attention kernels sum in different orders)
+    assert float(((a - b).abs() * mask).max()) <= 2e-5
     assert float(((ea - eb).abs() * mask).max()) <= 1e-4
     ma, mb = meg.train(data, nll_loss), ref.train(data, nll_loss)
     assert ma["loss"] == pytest.approx(mb["loss"], abs=1e-5)
@@ -73,7 +76,7 @@ def test_megatron_offload_leaves_nothing_and_keeps_objects() -> None:
     from tandem.trainer.megatron_trainer import MegatronTrainer
 
     gc.collect()
-    torch.cuda.empty_cache()
+    release_device_caches()  # an earlier test's cuBLAS workspaces: offload() frees them too
     before = torch.cuda.memory_allocated()
     data = batch()
     trainer = MegatronTrainer(config(backend="megatron", dtype="bfloat16"), device="cuda:0")
@@ -81,7 +84,9 @@ def test_megatron_offload_leaves_nothing_and_keeps_objects() -> None:
     expected = trainer.logprobs(data)
     objects = [id(p) for p in trainer.model.parameters()]
     trainer.offload()
-    assert torch.cuda.memory_allocated() == before
+    # nothing of it stays; less than before where its offload also dropped what Megatron
+    # caches for every model in the process (rotary tables an earlier test's trainer made)
+    assert torch.cuda.memory_allocated() <= before
     trainer.onload()
     assert [id(p) for p in trainer.model.parameters()] == objects
     assert torch.equal(trainer.logprobs(data), expected)
