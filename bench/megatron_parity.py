@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from ceilings import _copy_seconds, _matmul_seconds, emit
+from train_throughput import train_steps
 
 from tandem.algorithms.losses import nll_loss
 from tandem.assets.real_shapes import real_config
@@ -178,19 +179,6 @@ def parity(args: argparse.Namespace, root: Path) -> None:
         emit(record | meg.get("checks", {}))
 
 
-def train_seconds(trainer: Any, batch: TrainBatch, steps: int = 3) -> float:
-    for _ in range(2):
-        trainer.train(batch, nll_loss)
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        trainer.train(batch, nll_loss)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
 def flops_per_token(path: Path, seq: int) -> float:
     import transformers
 
@@ -217,7 +205,7 @@ def throughput(root: Path, peak: float) -> Any:
         gc.collect()
         before_build = torch.cuda.memory_allocated()
         trainer = build(backend, path, "bfloat16", micro_batch_size=2)
-        seconds = train_seconds(trainer, batch)
+        seconds = train_steps(trainer, batch, steps=3)
         tokens_s = rows * seq / seconds
         emit(
             {
