@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tandem.config.models import DataConfig, GenerationConfig, PolicyConfig, PreferenceDataConfig
+from tandem.config.dpo import PreferenceDataConfig
+from tandem.config.models import DataConfig, GenerationConfig, PolicyConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 """One of these makes a folder hold a tokenizer (fast, sentencepiece, or BPE vocab + merges)."""

@@ -24,7 +24,8 @@ from tandem.cluster.actors import TrainerWorker
 from tandem.cluster.groups import LocalGroup
 from tandem.cluster.runtime import Runtime
 from tandem.config import DpoConfig, load_config
-from tandem.config.models import PreferenceDataConfig, RefitConfig
+from tandem.config.dpo import PreferenceDataConfig
+from tandem.config.models import RefitConfig
 from tandem.data.batch import TrainBatch
 from tandem.data.preferences import load_pairs, load_preference_file, preference_batch
 from tandem.data.prompts import PromptSource, load_tokenizer

@@ -212,7 +212,7 @@ def test_data_file_with_a_byte_order_mark_and_crlf_is_read(tmp_path: Path, suffi
 
 
 def test_preference_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
-    from tandem.config.models import PreferenceDataConfig
+    from tandem.config.dpo import PreferenceDataConfig
     from tandem.data.preferences import load_preference_file
 
     row = {"prompt": "1+1=", "chosen": "2", "rejected": "3"}

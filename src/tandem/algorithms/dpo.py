@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.algorithms.protocols import RolloutRuntime
-from tandem.config.models import DpoAlgorithmConfig
+from tandem.config.dpo import DpoAlgorithmConfig
 from tandem.contracts import Count, Metrics
 from tandem.data.batch import TrainBatch
 from tandem.data.preferences import Pair, preference_batch

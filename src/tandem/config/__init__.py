@@ -1,12 +1,12 @@
 """Typed configuration models and recipe loading."""
 
+from tandem.config.dpo import DpoConfig
 from tandem.config.load import ConfigError, load_config, resolve_recipe, save_resolved
 from tandem.config.models import (
     AlgorithmConfig,
     CheckpointConfig,
     ClusterConfig,
     DataConfig,
-    DpoConfig,
     GenerationConfig,
     GrpoConfig,
     LoggingConfig,

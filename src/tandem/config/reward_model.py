@@ -8,13 +8,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from tandem.assets import DEFAULT_MODEL_DIR
-from tandem.config.models import (
-    CheckpointConfig,
-    LoggingConfig,
-    OptimizerConfig,
-    PreferenceDataConfig,
-    Section,
-)
+from tandem.config.dpo import PreferenceDataConfig
+from tandem.config.models import CheckpointConfig, LoggingConfig, OptimizerConfig, Section
 
 
 class RewardModelConfig(Section):

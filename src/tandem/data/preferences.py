@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from tandem.config.models import PreferenceDataConfig
+from tandem.config.dpo import PreferenceDataConfig
 from tandem.data.batch import TrainBatch, right_padded
 from tandem.data.prompts import check_jsonl
 from tandem.data.reading import read_rows
