@@ -37,23 +37,7 @@ sys.path.insert(0, BENCH)  # e2e_gpu, and e2e_rewards for the dense reward
 # the reward's workers and the actors import e2e_rewards too
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [BENCH, os.environ.get("PYTHONPATH")]))
 
-from e2e_gpu import DeviceMemory  # noqa: E402
-
-PER_STEP = (
-    "timing/step_s",
-    "timing/generate_s",
-    "timing/train_s",
-    "timing/refit_s",
-    "timing/policy_offload_s",
-    "timing/policy_onload_s",
-    "timing/generator_sleep_s",
-    "timing/generator_wake_s",
-    "memory/trainer_bytes_offloaded",
-    "memory/trainer_resident_bytes",
-    "memory/trainer_peak_refit_bytes",
-    "gen/logprob_mismatch",
-    "train/response_len_mean",
-)
+from e2e_gpu import PER_STEP, DeviceMemory  # noqa: E402
 
 
 def model_folder(shape: str) -> Path:

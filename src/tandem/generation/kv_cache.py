@@ -19,6 +19,19 @@ from transformers.cache_utils import Cache, DynamicLayer
 from tandem.attention import full_attention_only
 
 
+def _storage(
+    key_states: torch.Tensor, value_states: torch.Tensor, capacity: int, make: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of ``capacity`` positions for the rows and heads of the first states
+    (``make``: ``torch.empty`` or ``torch.zeros``)."""
+    rows, heads, _, dim = key_states.shape
+    like = {"dtype": key_states.dtype, "device": key_states.device}
+    return (
+        make(rows, heads, capacity, dim, **like),
+        make(rows, value_states.shape[1], capacity, dim, **like),
+    )
+
+
 class GrowingLayer(DynamicLayer):
     """``DynamicLayer`` over storage for ``capacity`` positions: ``keys``/``values`` are views
     of its first positions, and ``update`` writes the new ones after them."""
@@ -35,11 +48,7 @@ class GrowingLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.storage is None:
             self.lazy_initialization(key_states, value_states)
-            rows, heads, _, dim = key_states.shape
-            self.storage = (
-                key_states.new_empty(rows, heads, self.capacity, dim),
-                value_states.new_empty(rows, value_states.shape[1], self.capacity, dim),
-            )
+            self.storage = _storage(key_states, value_states, self.capacity, torch.empty)
         start, end = self.length, self.length + key_states.shape[-2]
         if end > self.capacity:
             raise ValueError(f"the decode outgrew its KV cache: {end} > {self.capacity} positions")
@@ -94,11 +103,7 @@ class WindowedLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.storage is None:
             self.lazy_initialization(key_states, value_states)
-            rows, heads, _, dim = key_states.shape
-            self.storage = (
-                key_states.new_zeros(rows, heads, self.capacity, dim),
-                value_states.new_zeros(rows, value_states.shape[1], self.capacity, dim),
-            )
+            self.storage = _storage(key_states, value_states, self.capacity, torch.zeros)
         keys, values = self.storage
         keys.index_copy_(2, self.window.positions, key_states)
         values.index_copy_(2, self.window.positions, value_states)
