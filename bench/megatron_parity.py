@@ -261,6 +261,7 @@ def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
         trainer.onload()
         on_s = time.perf_counter() - start
         rounds.append((off_s, on_s, left))
+    parts = {f"{k}_s": round(v, 4) for k, v in trainer._offload.seconds.items()}
     moved = trainer._offload.nbytes
     h2d, d2h, _ = _copy_seconds(min(moved, 4 * 2**30))  # the ceiling, of a 4 GiB copy at most
     ceiling_bytes = min(moved, 4 * 2**30)
@@ -277,6 +278,10 @@ def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
             "first_offload_s": round(rounds[0][0], 3),
             "offload_gb_s": round(moved / off_s / 1e9, 2),
             "onload_gb_s": round(moved / on_s / 1e9, 2),
+            "offload_s": round(off_s, 4),
+            "onload_s": round(on_s, 4),
+            **parts,  # the copies alone, freeing, allocating: what the rest of the time is
+            "storages": len(trainer._offload.sizes),
             "pinned_d2h_gb_s": round(ceiling_bytes / d2h / 1e9, 2),
             "pinned_h2d_gb_s": round(ceiling_bytes / h2d / 1e9, 2),
             "same_objects": ids == [id(p) for p in trainer.model.parameters()],

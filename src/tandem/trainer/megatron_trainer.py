@@ -7,8 +7,10 @@ no Transformer Engine or Apex) and loaded from the folder's safetensors through
 ``megatron_weights``; trainable copies run under Megatron's DDP and distributed optimizer (fp32
 main parameters and Adam state sharded over data-parallel ranks, bf16 model weights where
 ``policy.dtype`` or ``mixed_precision`` says bf16). Micro-batches go through Megatron's
-forward-backward schedule, which pipelines them over stages; logits stay split over the
-tensor-parallel ranks (``vocab_parallel``).
+forward-backward schedule, which pipelines them over stages. At tensor-parallel size 1 the
+last stage's output layer runs chunk by chunk of tokens with the log-softmax
+(``logprobs.ChunkedTokenLogprobs``, as the FSDP2 trainer: no ``[tokens, vocab]`` logits); over
+several tensor-parallel ranks the logits stay split over them (``vocab_parallel``).
 
 Every rank of the job constructs one and calls the same methods in the same order. The ranks
 of one model-parallel group (tensor x pipeline) must be given the same batch. CUDA only:
@@ -21,7 +23,6 @@ import copy
 import math
 import os
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from tandem.config.models import PolicyConfig
 from tandem.contracts import LossFn
 from tandem.data.batch import TrainBatch
 from tandem.data.packing import MICRO_BATCH_OVERHEAD, MicroBatch, plan_micro_batches, trimmed
-from tandem.trainer import megatron_checkpoint
+from tandem.trainer import megatron_checkpoint, megatron_logprobs
 from tandem.trainer.megatron_batches import join_model_parallel
 from tandem.trainer.megatron_config import gpt_model_kwargs, transformer_config_kwargs
 from tandem.trainer.megatron_weights import (
@@ -48,7 +49,6 @@ from tandem.trainer.offload import release_device_caches
 from tandem.trainer.parallelize import init_distributed
 from tandem.trainer.schedule import lr_factor
 from tandem.trainer.storage_offload import StorageOffload, attribute_tensors
-from tandem.trainer.vocab_parallel import token_logprobs
 
 
 def _load_hf_state(path: Path) -> dict[str, torch.Tensor]:
@@ -264,35 +264,23 @@ class MegatronTrainer:
 
     # -- forward --------------------------------------------------------------------------------
     def _token_logprobs(
-        self, logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, ent: bool
+        self, output: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, ent: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token-aligned ``[b, T]`` logprobs (and entropies) from this rank's vocabulary
-        columns of the logits ``[b, T, V/t]``, as ``LogprobModel`` lays them out."""
-        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-        def reduce_max(x: torch.Tensor) -> torch.Tensor:
-            if self.tp_size > 1:
-                dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.tp_group)
-            return x
-
-        picked, entropy = token_logprobs(
-            logits[:, :-1],
-            input_ids[:, 1:],
-            vocab_start=self.tp_rank * logits.shape[-1],
-            vocab_size=self.shape.vocab_size,
-            with_entropy=ent,
-            reduce_sum=partial(reduce_from_tensor_model_parallel_region, group=self.tp_group),
-            reduce_max=reduce_max,
+        """Token-aligned ``[b, T]`` logprobs and entropies from the last stage's ``output``."""
+        return megatron_logprobs.aligned(
+            output, input_ids, attention_mask, ent, self.tp_group, self.shape.vocab_size
         )
-        zeros = torch.zeros(input_ids.shape[0], 1, device=logits.device)
-        mask = attention_mask.to(torch.float32)
-        logprobs = torch.cat([zeros, picked], dim=1) * mask
-        entropies = torch.cat([zeros, entropy], dim=1) * mask if entropy is not None else None
-        return logprobs, entropies if entropies is not None else torch.zeros_like(logprobs)
 
-    def _run(self, micro_batches: list[MicroBatch], loss_func: Any, forward_only: bool) -> None:
+    def _run(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_func: Any,
+        forward_only: bool,
+        with_entropy: bool = False,
+    ) -> None:
         """Megatron's schedule over ``micro_batches`` (pipelined where there are stages);
-        ``loss_func(mb, logits)`` runs on the last stage and returns a scalar to backpropagate."""
+        ``loss_func(mb, output)`` runs on the last stage (``output`` as ``_token_logprobs``
+        takes it) and returns a scalar to backpropagate."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         one = torch.ones((), dtype=torch.int, device=self.device)
@@ -305,7 +293,10 @@ class MegatronTrainer:
             # causal (right padding needs no more); explicit, as Megatron's default is made
             # on "cuda" whatever the model's device
             causal = torch.ones(width, width, dtype=torch.bool, device=self.device)
-            output = model(ids, positions, causal.triu(diagonal=1)[None, None])
+            head = megatron_logprobs.head_kwargs(
+                self.tp_size, self.shape.vocab_size, self.config.logprob_chunk_size, with_entropy
+            )
+            output = model(ids, positions, causal.triu(diagonal=1)[None, None], **head)
             return output, lambda logits: (loss_func(mb, logits), one, {})
 
         longest = max(mb.batch.input_ids.shape[1] for mb in micro_batches)
@@ -340,7 +331,7 @@ class MegatronTrainer:
                 ent[mb.rows, :width] = entropy.float().cpu()
             return logprobs.new_zeros(())
 
-        self._run([mb for mb, _ in planned], collect, forward_only=True)
+        self._run([mb for mb, _ in planned], collect, True, with_entropy)
         out, ent = self._from_last_stage(out)[mine], self._from_last_stage(ent)[mine]
         return (out, ent) if with_entropy else out
 
@@ -379,7 +370,7 @@ class MegatronTrainer:
             group["lr"] = lr
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._run([mb for mb, _ in self._micro_batches(batch)], loss_func, forward_only=False)
+        self._run([mb for mb, _ in self._micro_batches(batch)], loss_func, False, with_entropy)
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.ddp])

@@ -11,6 +11,7 @@ needs to know. Each storage is copied once, however many tensors view it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -67,6 +68,9 @@ class StorageOffload:
         same = previous is not None and previous.sizes == self.sizes
         self.host: list[torch.Tensor] = previous.host if same and previous else []
         self.resident = True
+        self.seconds: dict[str, float] = {}
+        """The last offload's and onload's parts: ``offload_copy`` (the copies to the host,
+        synchronised), ``offload_free``; ``onload_alloc`` (device memory back), ``onload_copy``."""
 
     @property
     def nbytes(self) -> int:
@@ -84,12 +88,16 @@ class StorageOffload:
         pin = self.device.type == "cuda"
         if not self.host:
             self.host = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in self.sizes]
+        start = time.perf_counter()
         for holder, size, host in zip(self.holders, self.sizes, self.host, strict=True):
             host.copy_(self._bytes(holder, size), non_blocking=pin)
         if pin:
             torch.cuda.synchronize(self.device)
+        copied = time.perf_counter()
         for holder in self.holders + self.discarded:
             holder.untyped_storage().resize_(0)
+        self.seconds["offload_copy"] = copied - start
+        self.seconds["offload_free"] = time.perf_counter() - copied
         self.resident = False
 
     def onload(self) -> None:
@@ -97,11 +105,16 @@ class StorageOffload:
         if self.resident:
             return
         pin = self.device.type == "cuda"
-        for holder, size, host in zip(self.holders, self.sizes, self.host, strict=True):
+        start = time.perf_counter()
+        for holder, size in zip(self.holders, self.sizes, strict=True):
             holder.untyped_storage().resize_(size)
-            self._bytes(holder, size).copy_(host, non_blocking=pin)
         for holder, size in zip(self.discarded, self.discarded_sizes, strict=True):
             holder.untyped_storage().resize_(size)
+        allocated = time.perf_counter()
+        for holder, size, host in zip(self.holders, self.sizes, self.host, strict=True):
+            self._bytes(holder, size).copy_(host, non_blocking=pin)
         if pin:
             torch.cuda.synchronize(self.device)
+        self.seconds["onload_alloc"] = allocated - start
+        self.seconds["onload_copy"] = time.perf_counter() - allocated
         self.resident = True
