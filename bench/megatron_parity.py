@@ -201,16 +201,26 @@ def throughput(root: Path, peak: float) -> Any:
     batch = TrainBatch(ids, torch.ones_like(ids), loss_mask)
     fpt = flops_per_token(path, seq)
     kept = None
-    for backend in ("fsdp2", "megatron"):
+    # FSDP2 in bf16 (bf16 parameters and Adam state), FSDP2 with fp32 masters and bf16 compute
+    # (Megatron's own recipe: fp32 main parameters and Adam state), Megatron
+    runs = (
+        ("fsdp2", "bfloat16", {}),
+        ("fsdp2", "float32", {"mixed_precision": True}),
+        ("megatron", "bfloat16", {}),
+    )
+    for backend, dtype, extra in runs:
         gc.collect()
         before_build = torch.cuda.memory_allocated()
-        trainer = build(backend, path, "bfloat16", micro_batch_size=2)
+        trainer = build(backend, path, dtype, micro_batch_size=2, **extra)
         seconds = train_steps(trainer, batch, steps=3)
         tokens_s = rows * seq / seconds
         emit(
             {
                 "figure": "megatron_train_mfu",
                 "backend": backend,
+                "precision": "fp32 masters, bf16 compute"
+                if backend == "megatron" or extra
+                else "bf16",
                 "shape": "1.5b",
                 "seq": seq,
                 "rows": rows,

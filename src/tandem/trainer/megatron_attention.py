@@ -4,8 +4,9 @@ Without Transformer Engine, megatron-core's local layer spec attends with
 ``DotProductAttention``: it materialises the ``[b * heads, s, s]`` scores with ``baddbmm`` in the
 compute dtype (bf16 scores, rounded before the fp32 softmax) and repeats the key/value heads.
 SDPA keeps the scores in fp32 inside a fused kernel (flash or memory-efficient on CUDA), reads
-grouped key/value heads as they are, and never stores the scores: closer to the fp32 result
-and to what the FSDP2 trainer's transformers model computes, and faster at long sequences.
+grouped key/value heads as they are (``enable_gqa``), and never stores the scores: closer to the
+fp32 result and to what the FSDP2 trainer's transformers model computes, and faster at long
+sequences.
 
 The tandem trainer's masks are causal (rows are right-padded), so the mask Megatron passes is
 replaced by SDPA's own causal one. CUDA only, like the rest of the backend.
@@ -37,10 +38,10 @@ class SdpaAttention(DotProductAttention):  # type: ignore[misc]
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SdpaAttention: no packed sequences or attention bias")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        if k.shape[1] != q.shape[1]:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        grouped = k.shape[1] != q.shape[1]  # read as they are, not repeated per query head
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=grouped
+        )
         return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
 
 
