@@ -79,3 +79,22 @@ def test_the_static_cache_decode_samples_as_the_dynamic_one(generator: HfGenerat
     trainer = PolicyTrainer(PolicyConfig(model_path=VISUAL_MODEL_DIR, micro_batch_size=9))
     gap = (trainer.logprobs(batch) - batch.generator_logprobs).abs() * batch.loss_mask
     assert float(gap.max()) <= 1e-5
+
+
+def test_a_prompts_samples_share_one_prefill(generator: HfGenerator) -> None:
+    """Rows of one image prompt (its ``n`` samples) are prefilled once; prompts of the same
+    tokens with other images are not merged (the trainer's logprobs above would show it)."""
+    prefills: list[int] = []
+
+    def record(_: object, args: tuple, kwargs: dict) -> None:
+        if kwargs.get("inputs_embeds") is not None:  # the prefill; decode steps pass ids
+            prefills.append(int(kwargs["inputs_embeds"].shape[0]))
+
+    hook = generator.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        prompts = _prompts(2)
+        assert list(prompts[0]) == list(prompts[1])  # the same tokens, other images
+        generator.generate(prompts, SamplingParams(temperature=1.0, max_tokens=3, n=4, seed=3))
+    finally:
+        hook.remove()
+    assert prefills == [2]  # 8 rows, 2 distinct prompts

@@ -36,7 +36,7 @@ from tandem.adapters import is_adapter_name
 from tandem.data.images import ImagePrompt, RowImages
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
 from tandem.generation.hf_adapters import PeftAdapter
-from tandem.generation.hf_vision import ImagePrefill, load_generation_model
+from tandem.generation.hf_vision import ImagePrefill, distinct_rows, load_generation_model
 from tandem.generation.packed_linear import pack_linears
 from tandem.generation.static_decode import Decoder, StaticDecode
 from tandem.tensors import TargetRuns, device_copies
@@ -377,21 +377,19 @@ class HfGenerator(Generator):
         """Prefill, then one model call per token over a cache that grows in place
         (``kv_cache.growing_cache``; transformers' dynamic cache where that has none). Rows that
         repeat a prompt (``n`` samples of it) are prefilled once and the cache and logits copied
-        to each (not for image prompts, whose rows may share tokens but not images: ``model``,
-        an ``ImagePrefill``, runs each image through the tower once); ``keep`` selects rows of
-        the cache, the mask and the positions."""
+        to each: the same tokens at the same real positions, and for image prompts the same
+        images too (rows may share tokens but not images; ``model``, an ``ImagePrefill``, ran
+        each image through the tower once); ``keep`` selects rows of the cache, the mask and
+        the positions."""
         from tandem.generation.kv_cache import growing_cache
 
-        size, width = input_ids.shape
+        width = input_ids.shape[1]
         attention_mask = valid.long()
-        if model is None or model is self.model:  # the same tokens at the same real
-            model = self.model  # positions: the same prefill
-            keyed = torch.where(valid[:, :width], input_ids, -1)
-            unique, inverse = torch.unique(keyed, dim=0, return_inverse=True)
-            first = torch.full((len(unique),), size, device=self.device)
-            first.scatter_reduce_(0, inverse, torch.arange(size, device=self.device), "amin")
-        else:
-            first = inverse = torch.arange(size, device=self.device)
+        model = self.model if model is None else model
+        images = model.image_keys() if isinstance(model, ImagePrefill) else None
+        first, inverse = distinct_rows(input_ids, valid, images)
+        if isinstance(model, ImagePrefill):
+            model = model.rows(first)
         out = model(
             input_ids=input_ids[first],
             attention_mask=attention_mask[first, :width],
