@@ -1,15 +1,17 @@
-"""What image prompts cost beyond their tokens on a CPU, in CPU seconds: the embedded
-vision-language model's trainer forward and backward of one micro-batch, and its transformers
-generator's rollouts, on image prompts and on text prompts of as many tokens, interleaved.
+"""What image prompts cost beyond their tokens on a CPU: the embedded vision-language model's
+trainer forward and backward of one micro-batch, and its transformers generator's rollouts, on
+image prompts and on text prompts of as many tokens, interleaved.
 
 ``bench/vlm_gpu.py --shape tiny`` times whole GRPO steps by the wall clock, one run after the
-other, which the load of a shared machine scatters; this takes each phase's process CPU time
-(one thread) and alternates images and text, so both see the same machine. One JSON line per
-phase: the median seconds of each kind (the first ``--warmup`` rounds left out) and the ratio
+other, which the load of a shared machine scatters; this alternates images and text phase by
+phase, so both see the same machine, and takes each phase's process CPU time beside its wall
+time (``--threads``: torch's intra-op threads; one thread's CPU time is the steadiest
+figure, the wall time with the machine's threads the one a run sees). One JSON line per
+phase: the median seconds of each kind (the first ``--warmup`` rounds left out) and the ratios
 images / text; then the two phases together per generated token (a GRPO step's generation and
 training), images / text (the goal: at most 1.3).
 
-    ./run.sh python bench/vlm_cpu_cost.py [--prompts 16] [--generations 8] [--rounds 12]
+    ./run.sh python bench/vlm_cpu_cost.py [--threads 1] [--prompts 16] [--generations 8]
 """
 
 from __future__ import annotations
@@ -76,11 +78,11 @@ def generate_pass(generator: object, rows: list[list[int]], params: object) -> C
     return run
 
 
-def cpu_seconds(run: Callable[[], int]) -> tuple[float, int]:
-    """``run``'s process CPU seconds and the tokens it returned."""
-    start = time.process_time()
+def timed(run: Callable[[], int]) -> tuple[float, float, int]:
+    """``run``'s process CPU seconds, wall seconds and the tokens it returned."""
+    cpu, wall = time.process_time(), time.perf_counter()
     tokens = run()
-    return time.process_time() - start, tokens
+    return time.process_time() - cpu, time.perf_counter() - wall, tokens
 
 
 def main() -> None:
@@ -90,6 +92,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
     import torch
@@ -99,7 +102,7 @@ def main() -> None:
     from tandem.generation import SamplingParams
     from tandem.generation.hf_generator import HfGenerator
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     images, text = prompts(args.prompts)
     model = AutoModelForImageTextToText.from_pretrained(str(VISUAL_MODEL_DIR), dtype=torch.float32)
     generator = HfGenerator(VISUAL_MODEL_DIR)
@@ -115,42 +118,49 @@ def main() -> None:
             for kind, rows in (("images", images), ("text", text))
         },
     }
-    medians: dict[str, dict[str, tuple[float, float]]] = {}
+    medians: dict[str, dict[str, dict[str, float]]] = {}
     for phase, runs in phases.items():
         medians[phase] = measure(runs, args.rounds, args.warmup)
-        line = {
-            "phase": phase,
-            "rows": args.prompts * args.generations,
-            "prompt_tokens": len(text[0]),
-            **{f"median_cpu_s/{k}": cpu for k, (cpu, _) in medians[phase].items()},
-            **{f"median_tokens/{k}": count for k, (_, count) in medians[phase].items()},
-            "images_over_text": medians[phase]["images"][0] / medians[phase]["text"][0],
-        }
+        line: dict[str, object] = {"phase": phase, "threads": args.threads}
+        line |= {"rows": args.prompts * args.generations, "prompt_tokens": len(text[0])}
+        for key in ("cpu_s", "wall_s", "tokens"):
+            line |= {f"median_{key}/{kind}": m[key] for kind, m in medians[phase].items()}
+        for key in ("cpu_s", "wall_s"):
+            line[f"{key}/images_over_text"] = ratio(medians[phase], key)
         print(json.dumps(line), flush=True)
-    per_token = {
-        kind: sum(medians[phase][kind][0] for phase in phases) / medians["generate"][kind][1]
-        for kind in ("images", "text")
-    }
-    step = {f"cpu_s_per_generated_token/{k}": v for k, v in per_token.items()}
-    ratio = per_token["images"] / per_token["text"]
-    print(json.dumps({"phase": "step", **step, "images_over_text": ratio, "goal": 1.3}))
+    step: dict[str, object] = {"phase": "step", "threads": args.threads}
+    for key in ("cpu_s", "wall_s"):
+        per_token = {
+            kind: {
+                key: sum(medians[p][kind][key] for p in phases)
+                / medians["generate"][kind]["tokens"]
+            }
+            for kind in ("images", "text")
+        }
+        step |= {f"{key}_per_generated_token/{k}": v[key] for k, v in per_token.items()}
+        step[f"{key}/images_over_text"] = ratio(per_token, key)
+    print(json.dumps(step | {"goal": 1.3}), flush=True)
+
+
+def ratio(medians: dict[str, dict[str, float]], key: str) -> float:
+    return medians["images"][key] / medians["text"][key]
 
 
 def measure(
     runs: dict[str, Callable[[], int]], rounds: int, warmup: int
-) -> dict[str, tuple[float, float]]:
-    """Each kind's median CPU seconds and tokens over ``rounds`` alternating rounds, the first
-    ``warmup`` left out."""
-    seconds: dict[str, list[float]] = {kind: [] for kind in runs}
-    tokens: dict[str, list[int]] = {kind: [] for kind in runs}
+) -> dict[str, dict[str, float]]:
+    """Each kind's median CPU seconds, wall seconds and tokens over ``rounds`` alternating
+    rounds, the first ``warmup`` left out."""
+    samples: dict[str, list[tuple[float, float, int]]] = {kind: [] for kind in runs}
     for _ in range(rounds):
         for kind, run in runs.items():
-            cpu, count = cpu_seconds(run)
-            seconds[kind].append(cpu)
-            tokens[kind].append(count)
+            samples[kind].append(timed(run))
     return {
-        kind: (statistics.median(seconds[kind][warmup:]), statistics.median(tokens[kind][warmup:]))
-        for kind in runs
+        kind: {
+            key: float(statistics.median(s[i] for s in taken[warmup:]))
+            for i, key in enumerate(("cpu_s", "wall_s", "tokens"))
+        }
+        for kind, taken in samples.items()
     }
 
 
