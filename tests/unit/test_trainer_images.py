@@ -146,3 +146,27 @@ def test_an_image_token_in_a_response_is_text() -> None:
     width = len(prompts[0])
     assert torch.allclose(got[:, :width], expected[:, :width], atol=1e-6)
     assert bool(torch.isfinite(got).all()) and bool((got[:, width : width + 4] < 0).all())
+
+
+def test_samples_of_one_prompt_share_their_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The multimodal positions are computed once per distinct row (token types of the real
+    tokens, images): two prompts of the same tokens and other images, three samples each of
+    two lengths, are four rows for ``get_rope_index``; the logprobs stay each row's alone."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+
+    model_class = modeling_qwen2_5_vl.Qwen2_5_VLModel
+    original = model_class.get_rope_index
+    calls: list[int] = []
+
+    def spy(self: Any, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(input_ids))
+        return original(self, input_ids, *args, **kwargs)
+
+    responses = [[49, 256], [49, 50, 256], [51, 256]]
+    batch = right_padded([(p, r) for p in _prompts(2) for r in responses], pad_token_id=256)
+    trainer = PolicyTrainer(_config(micro_batch_size=6))
+    monkeypatch.setattr(model_class, "get_rope_index", spy)
+    got = trainer.logprobs(batch)
+    monkeypatch.undo()
+    assert calls == [4]
+    assert (got - reference_logprobs(batch)).abs().max() <= 1e-5

@@ -91,6 +91,23 @@ class RowImages:
         present = [r for r in self.rows if r is not None]
         return ImageInputs.merged(present) if present else None
 
+    def keys(self) -> torch.Tensor:
+        """Per row, which of the distinct ``ImageInputs`` it holds (-1: none): rows of equal
+        keys hold the same images (a prompt's samples share its ``ImageInputs``)."""
+        seen: dict[int, int] = {}
+        keys = [-1 if r is None else seen.setdefault(id(r), len(seen)) for r in self.rows]
+        return torch.tensor(keys, dtype=torch.long)
+
+
+def distinct_rows(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first row of each distinct row of ``keys`` ``[B, K]``, and each row's index into
+    those (row ``i`` equals row ``first[inverse[i]]``)."""
+    unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    size = keys.shape[0]
+    first = torch.full((len(unique),), size, device=keys.device)
+    first.scatter_reduce_(0, inverse, torch.arange(size, device=keys.device), "amin")
+    return first, inverse
+
 
 def decode_image(value: Any, where: str) -> Any:
     """A ``datasets.Image`` cell (a path, bytes, or ``{"path", "bytes"}``) as an RGB PIL image;
@@ -180,15 +197,12 @@ def vision_inputs(
     share theirs), its features scattered to every row that holds it."""
     body = model.model
     merge = int(model.config.vision_config.spatial_merge_size)
-    per_row = rows.rows if rows is not None else [None] * len(input_ids)
+    per_row: list[ImageInputs | None] = rows.rows if rows is not None else [None] * len(input_ids)
     counts = [0 if r is None else int(r.image_grid_thw.prod(-1).sum()) // merge**2 for r in per_row]
     is_image = input_ids == model.config.image_token_id
     is_image &= is_image.cumsum(-1) <= torch.tensor(counts, device=input_ids.device)[:, None]
     present = [r for r in per_row if r is not None]
-    grid = torch.cat([r.image_grid_thw for r in present]).to(input_ids.device) if present else None
-    positions, _ = body.get_rope_index(
-        input_ids, is_image.int(), image_grid_thw=grid, attention_mask=attention_mask
-    )
+    positions = _positions(body, input_ids, is_image, attention_mask, RowImages(per_row))
     embeds = body.get_input_embeddings()(input_ids)
     if not present:
         return embeds, positions
@@ -204,3 +218,21 @@ def vision_inputs(
     }
     scattered = torch.cat([features[id(r)] for r in present]).to(embeds.dtype)
     return embeds.masked_scatter(is_image[..., None], scattered), positions
+
+
+def _positions(
+    body: Any, input_ids: torch.Tensor, is_image: torch.Tensor, mask: torch.Tensor, rows: RowImages
+) -> torch.Tensor:
+    """``get_rope_index``'s ``[3, B, T]`` positions, computed once per distinct row: positions
+    depend on the token types of the real tokens and on the images alone, and the model's
+    function walks the rows one by one in Python (half of a micro-batch's extra time for
+    images on the CPU, its rows the samples of a few prompts)."""
+    types = torch.where(mask.bool(), is_image.long(), -1)
+    first, inverse = distinct_rows(torch.cat([types, rows.keys()[:, None].to(types.device)], 1))
+    picked = [rows.rows[i] for i in first.tolist()]
+    grids = [r.image_grid_thw for r in picked if r is not None]
+    grid = torch.cat(grids).to(input_ids.device) if grids else None
+    positions, _ = body.get_rope_index(
+        input_ids[first], is_image[first].int(), image_grid_thw=grid, attention_mask=mask[first]
+    )
+    return positions[:, inverse]

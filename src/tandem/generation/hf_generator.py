@@ -36,7 +36,7 @@ from tandem.adapters import is_adapter_name
 from tandem.data.images import ImagePrompt, RowImages
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
 from tandem.generation.hf_adapters import PeftAdapter
-from tandem.generation.hf_vision import ImagePrefill, distinct_rows, load_generation_model
+from tandem.generation.hf_vision import ImagePrefill, load_generation_model, same_prefill
 from tandem.generation.packed_linear import pack_linears
 from tandem.generation.static_decode import Decoder, StaticDecode
 from tandem.tensors import TargetRuns, device_copies
@@ -386,8 +386,8 @@ class HfGenerator(Generator):
         width = input_ids.shape[1]
         attention_mask = valid.long()
         model = self.model if model is None else model
-        images = model.image_keys() if isinstance(model, ImagePrefill) else None
-        first, inverse = distinct_rows(input_ids, valid, images)
+        images = model.images if isinstance(model, ImagePrefill) else None
+        first, inverse = same_prefill(input_ids, valid, images)
         if isinstance(model, ImagePrefill):
             model = model.rows(first)
         out = model(

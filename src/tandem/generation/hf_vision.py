@@ -10,7 +10,7 @@ being text positions, equal on the three axes. ``prefill_positions`` gives the d
 positions whose last column is each row's last multimodal position, so the steps continue
 where the trainer's positions go. The vision tower runs once per distinct image (a prompt's
 ``n`` samples share its ``ImageInputs``), not once per sample, and the prefill once per
-distinct row: the same tokens and the same images (``distinct_rows``; prompts may hold the same
+distinct row: the same tokens and the same images (``same_prefill``; prompts may hold the same
 tokens and different images).
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tandem.data.images import RowImages, is_vision_model, vision_inputs
+from tandem.data.images import RowImages, distinct_rows, is_vision_model, vision_inputs
 
 
 class ImagePrefill:
@@ -40,22 +40,12 @@ class ImagePrefill:
         """The decoders' ``[B, T]`` positions of the left-padded prefill (``valid``: its real
         tokens): the temporal axis of the multimodal positions. Its last column is each row's
         last text position, from which the decode steps count on."""
-        first, inverse = distinct_rows(input_ids, valid, self.image_keys())
+        first, inverse = same_prefill(input_ids, valid, self.images)
         images = None if self.images is None else self.images.select(first.cpu())
         images = None if images is None else images.to(input_ids.device)
         embeds, positions = vision_inputs(self.model, input_ids[first], valid[first].long(), images)
         self.prefill = embeds[inverse], positions[:, inverse]  # computed once per distinct row
         return self.prefill[1][0]
-
-    def image_keys(self) -> torch.Tensor | None:
-        """Per row, which of the batch's distinct ``ImageInputs`` it holds (-1: none; None: a
-        batch without images): rows of equal tokens and equal keys have the same prefill (a
-        prompt's ``n`` samples)."""
-        if self.images is None:
-            return None
-        seen: dict[int, int] = {}
-        keys = [-1 if r is None else seen.setdefault(id(r), len(seen)) for r in self.images.rows]
-        return torch.tensor(keys, dtype=torch.long)
 
     def rows(self, index: torch.Tensor) -> ImagePrefill:
         """This prefill for the rows ``index`` only (after ``prefill_positions``)."""
@@ -75,20 +65,15 @@ class ImagePrefill:
         return self.model(inputs_embeds=embeds, position_ids=positions, **kwargs)
 
 
-def distinct_rows(
-    input_ids: torch.Tensor, valid: torch.Tensor, image_keys: torch.Tensor | None = None
+def same_prefill(
+    input_ids: torch.Tensor, valid: torch.Tensor, images: RowImages | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows with the same prefill: the same tokens at the same real positions (``valid``) and,
-    for image prompts, the same images (``image_keys``). Returns the first row of each
-    distinct kind and, per row, its kind (``rows == first[inverse]`` in content)."""
+    """Rows with the same prefill (``data.images.distinct_rows``): the same tokens at the same
+    real positions (``valid``) and, for image prompts, the same images."""
     keyed = torch.where(valid[:, : input_ids.shape[1]], input_ids, -1)
-    if image_keys is not None:
-        keyed = torch.cat([keyed, image_keys[:, None].to(keyed.device)], dim=1)
-    unique, inverse = torch.unique(keyed, dim=0, return_inverse=True)
-    size = input_ids.shape[0]
-    first = torch.full((len(unique),), size, device=input_ids.device)
-    first.scatter_reduce_(0, inverse, torch.arange(size, device=input_ids.device), "amin")
-    return first, inverse
+    if images is not None:
+        keyed = torch.cat([keyed, images.keys()[:, None].to(keyed.device)], dim=1)
+    return distinct_rows(keyed)
 
 
 def load_generation_model(model_path: str, dtype: torch.dtype) -> Any:
