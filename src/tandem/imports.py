@@ -27,6 +27,17 @@ def import_named(kind: str, spec: str, builtins: Iterable[str], example: str) ->
     return found
 
 
+def import_error(module_name: str) -> str | None:
+    """Why ``module_name`` does not import in this interpreter (its exception, first line), or
+    None when it imports. A build that is installed but broken counts as not importable
+    (torchvision's CUDA wheel beside torch+cpu raises RuntimeError at import)."""
+    try:
+        importlib.import_module(module_name)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return None
+
+
 def _import_module(kind: str, spec: str, module_name: str) -> object:
     """The module of a user's ``spec``; whatever stops its import (not found, a dependency it
     lacks, a syntax error, an exception in its body) is a ValueError saying which."""

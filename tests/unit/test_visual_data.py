@@ -144,10 +144,32 @@ def test_image_prompts_need_a_vision_language_model(
 def test_image_prompts_refuse_the_vllm_generator(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Where torchvision does not import (vLLM cannot load a Qwen2-VL model without it)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(ray_cluster, "init_ray", _no_ray)
+    monkeypatch.setattr("tandem.imports.import_error", _no_torchvision)
     assert main(["grpo", "--config", "grpo_visual", "generation.backend=vllm"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count(": error: ") == 1, err
-    assert "image prompts need generation.backend=hf (generation.backend=vllm)" in err, err
+    assert "generation.backend=vllm: image prompts with the vLLM generator need torch" in err
+    assert "No module named 'torchvision'" in err, err
+    assert "torchvision build matching torch" in err and "generation.backend=hf" in err, err
     assert not (tmp_path / "runs").exists()
+
+
+def _no_torchvision(name: str) -> str | None:
+    return "ModuleNotFoundError: No module named 'torchvision'" if name == "torchvision" else None
+
+
+def test_image_prompts_go_to_the_vllm_generator_where_torchvision_imports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tandem.config.models import GenerationConfig
+    from tandem.preflight import check_image_generator
+
+    monkeypatch.setattr("tandem.imports.import_error", lambda name: None)
+    check_image_generator(GenerationConfig(backend="vllm"))  # no error
+    monkeypatch.setattr("tandem.imports.import_error", _no_torchvision)
+    with pytest.raises(ValueError, match="need torchvision"):
+        check_image_generator(GenerationConfig(backend="vllm"))
+    check_image_generator(GenerationConfig(backend="hf"))  # transformers: no torchvision needed

@@ -58,6 +58,12 @@ def prompt_images(prompt: Sequence[int]) -> ImageInputs | None:
     return prompt.images if isinstance(prompt, ImagePrompt) else None
 
 
+def own_prompt(prompt: Sequence[int]) -> list[int]:
+    """A rollout's copy of its prompt: an image prompt itself (its images go on to the
+    trainer's batch), a text prompt as a plain list."""
+    return prompt if isinstance(prompt, ImagePrompt) else list(prompt)
+
+
 @dataclass
 class RowImages:
     """The images of each row of a batch (None for a row without), selected with its rows."""
@@ -171,6 +177,29 @@ class VisionProcessor:
             ids += [self.start_id, *[self.image_token_id] * count, self.end_id]
         ids += list(self.tokenizer.encode(text, add_special_tokens=False))
         return ImagePrompt(ids, ImageInputs(out["pixel_values"].float(), grid))
+
+
+def patch_images(images: ImageInputs, processor: Any) -> list[Any]:
+    """The RGB PIL images that ``processor`` (a Qwen2-VL image processor) made ``images``'
+    patches from, at the size it resized them to: processing them again gives the same
+    patches without a resize (an engine that takes images, not patches, sees the trainer's
+    pixels). The first frame of each temporal patch (an image's two frames are equal)."""
+    from PIL import Image
+
+    p, t, m = processor.patch_size, processor.temporal_patch_size, processor.merge_size
+    mean = torch.tensor(processor.image_mean).view(3, 1, 1)
+    std = torch.tensor(processor.image_std).view(3, 1, 1)
+    out, start = [], 0
+    for gt, gh, gw in images.image_grid_thw.tolist():
+        flat = images.pixel_values[start : start + gt * gh * gw].float()
+        start += gt * gh * gw
+        # the processor's (t, h/m, w/m, m, m, c, tp, p, p) patch order back to (t*tp, c, H, W)
+        grid = flat.view(gt, gh // m, gw // m, m, m, 3, t, p, p).permute(0, 6, 5, 1, 3, 7, 2, 4, 8)
+        frame = grid.reshape(gt * t, 3, gh * p, gw * p)[0]
+        pixels = (frame * std + mean) / processor.rescale_factor
+        array = pixels.round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
+        out.append(Image.fromarray(array, "RGB"))
+    return out
 
 
 def is_vision_model(model_path: Path) -> bool:

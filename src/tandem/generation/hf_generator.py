@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from tandem.adapters import is_adapter_name
-from tandem.data.images import ImagePrompt, RowImages
+from tandem.data.images import RowImages, own_prompt
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
 from tandem.generation.hf_adapters import PeftAdapter
 from tandem.generation.hf_vision import ImagePrefill, load_generation_model, same_prefill
@@ -53,12 +53,6 @@ SAMPLE_BLOCK_CUDA = 1 << 26
 """``SAMPLE_BLOCK`` on a GPU (256 MiB: 441 rows of 151,936), where a loop over small blocks
 costs more in kernel launches than the fp32 copy saves (3.15 ms for 256 rows in blocks of 27
 on an H200, against 0.86 ms for softmax + multinomial over the whole batch)."""
-
-
-def _own_prompt(prompt: list[int]) -> list[int]:
-    """A rollout's copy of its prompt: an image prompt itself (its images go on to the
-    trainer's batch), a text prompt as a plain list."""
-    return prompt if isinstance(prompt, ImagePrompt) else list(prompt)
 
 
 def _pick(tensor: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -258,7 +252,7 @@ class HfGenerator(Generator):
                 rollouts.append(
                     Rollout(
                         prompt_index=i,
-                        prompt_token_ids=_own_prompt(prompt_token_ids[i]),
+                        prompt_token_ids=own_prompt(prompt_token_ids[i]),
                         response_token_ids=sample.tokens,
                         response_text=sample.text,
                         response_logprobs=sample.logprobs,

@@ -11,6 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tandem.data.images import (
+    ImageInputs,
+    is_vision_model,
+    own_prompt,
+    patch_images,
+    prompt_images,
+)
 from tandem.generation.base import Generator, Rollout, SamplingParams
 from tandem.imports import without_gc
 
@@ -123,6 +130,43 @@ def engine_kwargs(
     return kwargs
 
 
+class VllmImages:
+    """Image prompts as vLLM takes them (Qwen2-VL family): one ``<|image_pad|>`` per image in
+    the token ids (vLLM's processor expands it to the image's merged patches itself, and would
+    expand an already expanded run again) and the images in ``multi_modal_data``: those the
+    trainer's patches were made from (``data.images.patch_images``), so the engine's processor
+    sees the same pixels and resizes nothing."""
+
+    @staticmethod
+    def of(model_path: str | Path) -> VllmImages | None:
+        """The model's image prompts, None for a text model; a ValueError where vLLM cannot
+        load the model (no torchvision in this interpreter: ``preflight.vllm_images_refusal``)."""
+        from tandem.preflight import vllm_images_refusal
+
+        if not is_vision_model(Path(model_path)):
+            return None
+        refusal = vllm_images_refusal()
+        if refusal is not None:
+            raise ValueError(f"{model_path} is a vision-language model: {refusal}")
+        return VllmImages(model_path)
+
+    def __init__(self, model_path: str | Path) -> None:
+        from transformers import AutoConfig, AutoImageProcessor
+
+        self.image_token_id = int(AutoConfig.from_pretrained(str(model_path)).image_token_id)
+        self.processor = AutoImageProcessor.from_pretrained(str(model_path))
+
+    def request(self, ids: list[int], images: ImageInputs) -> dict[str, Any]:
+        """vLLM's prompt for token ids with each image's ``<|image_pad|>`` run expanded (as
+        ``data.images.VisionProcessor`` makes them) and the images they carry."""
+        pad = self.image_token_id
+        collapsed = [t for i, t in enumerate(ids) if not (t == pad and i and ids[i - 1] == pad)]
+        return {
+            "prompt_token_ids": collapsed,
+            "multi_modal_data": {"image": patch_images(images, self.processor)},
+        }
+
+
 class VllmGenerator(Generator):
     """Generates with an in-process ``vllm.LLM``; refits through the worker extension."""
 
@@ -152,6 +196,7 @@ class VllmGenerator(Generator):
         kwargs = engine_kwargs(
             model_path, config, dtype, seed, on_cpu=_on_cpu(), max_model_len=max_model_len
         )
+        self._vision = VllmImages.of(model_path)  # before the engine: its error is clearer
         self.llm = LLM(**kwargs)
         self._engine_here = config.tensor_parallel_size == 1
         self._sleeping: set[str] = set()
@@ -189,7 +234,7 @@ class VllmGenerator(Generator):
         so a refit lands between two steps (``receive_weights`` then preempts the running
         requests and they resume with the new weights). vLLM labels each output token with the
         weight version set before the step that sampled it (``weight_versions`` of an output)."""
-        prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
+        prompts = [self._prompt(ids) for ids in prompt_token_ids]
         sampling = [self._vllm_params(params, i) for i in range(len(prompts))]
         self.llm.enqueue(
             prompts,  # type: ignore[arg-type]
@@ -222,6 +267,13 @@ class VllmGenerator(Generator):
                 rollout.response_text = text
         return rollouts
 
+    def _prompt(self, ids: list[int]) -> dict[str, Any]:
+        """vLLM's prompt for ``ids``: token ids alone, or with its images (``VllmImages``)."""
+        images = prompt_images(ids)
+        if images is None or self._vision is None:
+            return {"prompt_token_ids": list(ids)}
+        return self._vision.request(ids, images)
+
     def _rollouts(self, index: int, prompt: list[int], output: Any, n: int) -> list[Rollout]:
         completions = sorted(output.outputs, key=lambda c: c.index)
         assert len(completions) == n, (len(completions), n)
@@ -242,7 +294,7 @@ class VllmGenerator(Generator):
             rollouts.append(
                 Rollout(
                     prompt_index=index,
-                    prompt_token_ids=list(prompt),
+                    prompt_token_ids=own_prompt(prompt),
                     response_token_ids=token_ids,
                     response_text=completion.text,
                     response_logprobs=logprobs,
@@ -276,6 +328,8 @@ class VllmGenerator(Generator):
             # the path is a label: the adapter is in the workers already, never read from it
             self._lora = LoRARequest(f"tandem-{lora_id}", lora_id, f"tandem://refit/{lora_id}")
         self.reset_prefix_cache()
+        if self._vision is not None:  # image features of the old vision tower
+            self.llm.llm_engine.reset_encoder_cache()
 
     def kv_scales(self) -> dict[str, dict[str, float]]:
         """The FP8 KV-cache scales in use, ``{"model.layers.0.self_attn.attn": {"q", "k", "v"}}``

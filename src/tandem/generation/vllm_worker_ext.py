@@ -353,6 +353,8 @@ class TandemWorkerExtension:
         shared (now updated) weight; on GPU this processing is a no-op.
         """
         model = self.model_runner.get_model()
+        # a vision-language model's head is its language model's (``language_model.lm_head``)
+        model = getattr(model, "language_model", model)
         hf_config = self.model_runner.model_config.hf_text_config
         lm_head = getattr(model, "lm_head", None)
         if not getattr(hf_config, "tie_word_embeddings", False) or lm_head is None:
