@@ -64,6 +64,7 @@ def _gap(rollouts: list[Rollout], model_path: Path) -> float:
     trainer = PolicyTrainer(PolicyConfig(model_path=model_path, micro_batch_size=16))
     gap = (trainer.logprobs(batch) - batch.generator_logprobs).abs() * batch.loss_mask
     assert batch.loss_mask.sum() >= len(rollouts)
+    print(f"\nlogprob gap, {len(rollouts)} rollouts: {float(gap.max()):.2g}")  # pytest -s
     return float(gap.max())
 
 
