@@ -56,6 +56,8 @@ def run_rm(config: RmConfig, resume: bool = False) -> list[dict[str, Any]]:
         trainable_layers=config.model.trainable_layers,
         unfreeze_after=config.model.unfreeze_after,
         unfreeze_lr=config.model.unfreeze_lr,
+        chosen_lm_coef=algo.chosen_lm_coef,
+        score_init=config.model.score_init,
     )
     pairs = PromptSource(train, held_out, trainer.tokenizer, load_reward("exact_match"), algo.seed)
     resume_gc()

@@ -112,6 +112,78 @@ def test_unfreeze_after_trains_every_parameter_from_that_step_and_resumes(
     )
 
 
+def test_chosen_lm_coef_adds_the_causal_lm_loss_of_the_chosen_responses() -> None:
+    """``algorithm.chosen_lm_coef``: the first step's ``chosen_lm_loss`` is the causal LM's own
+    mean cross-entropy of the chosen responses' tokens (the backbone is still the LM's), and the
+    step's loss is the Bradley-Terry loss plus coef times it."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    lm = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL_DIR))
+    tokenizer = RewardModel(DEFAULT_MODEL_DIR).tokenizer
+    losses, tokens = 0.0, 0
+    for pair in PAIRS:
+        prompt = tokenizer.encode(pair["prompt"], add_special_tokens=False)
+        ids = tokenizer.encode(pair["prompt"] + pair["chosen"], add_special_tokens=False)
+        with torch.no_grad():
+            logprobs = lm(torch.tensor([ids])).logits[0].log_softmax(-1)
+        for position in range(len(prompt), len(ids)):
+            losses -= float(logprobs[position - 1, ids[position]])
+            tokens += 1
+    plain = RewardModelTrainer(DEFAULT_MODEL_DIR, OptimizerConfig(lr=1e-3), total_steps=1)
+    with_lm = RewardModelTrainer(
+        DEFAULT_MODEL_DIR, OptimizerConfig(lr=1e-3), total_steps=1, chosen_lm_coef=0.5
+    )
+    bt_only = plain.train_step(PAIRS)
+    metrics = with_lm.train_step(PAIRS)
+    assert "chosen_lm_loss" not in bt_only
+    assert metrics["chosen_lm_loss"] == pytest.approx(losses / tokens, rel=1e-4)
+    assert metrics["loss"] == pytest.approx(bt_only["loss"], rel=1e-5)  # the Bradley-Terry part
+    assert metrics["grad_norm"] != pytest.approx(bt_only["grad_norm"])
+
+
+def test_chosen_lm_coef_refuses_a_model_with_its_own_output_layer(tmp_path: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(str(DEFAULT_MODEL_DIR))
+    config.tie_word_embeddings = False
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"algorithm\.chosen_lm_coef needs .*tie_word_embeddings"):
+        RewardModelTrainer(tmp_path, OptimizerConfig(), total_steps=1, chosen_lm_coef=1.0)
+    RewardModelTrainer(tmp_path, OptimizerConfig(), total_steps=1)  # without it: accepted
+
+
+def test_score_init_zero_starts_every_score_at_zero_and_keeps_a_trained_head(
+    tmp_path: Path,
+) -> None:
+    """``model.score_init: zero``: a fresh head scores every text 0, so the first step moves the
+    head alone (the backbone's gradient is the head's weight: zero); a reward model's own head
+    is loaded as it was."""
+    torch.set_num_threads(1)
+    trainer = RewardModelTrainer(
+        DEFAULT_MODEL_DIR, OptimizerConfig(lr=1e-2), total_steps=2, score_init="zero"
+    )
+    assert trainer.fresh_head
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    metrics = trainer.train_step(PAIRS)
+    assert metrics["chosen_score"] == 0.0 and metrics["rejected_score"] == 0.0
+    moved = {
+        name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])
+    }
+    assert moved == {"score.weight"}
+    trainer.train_step(PAIRS)
+    assert any(
+        n.startswith("model.layers.")
+        for n, p in trainer.model.named_parameters()
+        if not torch.equal(p, before[n])
+    )
+    trainer.export_hf(tmp_path / "hf")
+    again = RewardModelTrainer(tmp_path / "hf", OptimizerConfig(), total_steps=1, score_init="zero")
+    assert not again.fresh_head
+    assert torch.equal(again.model.score.weight, trainer.model.score.weight)
+
+
 def test_scores_do_not_depend_on_batching_or_padding() -> None:
     model = RewardModel(DEFAULT_MODEL_DIR, seed=3)
     prompts = [p["prompt"] for p in PAIRS]
@@ -175,6 +247,7 @@ def test_tandem_rm_trains_evaluates_exports_and_resumes(
     assert main([*args, "algorithm.num_steps=4", "--resume"]) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert all("train/chosen_lm_loss" in r for r in records if r["step"] > 0)  # the recipe's
     evaluated = [r["step"] for r in records if "eval/preference_accuracy" in r]
     assert evaluated == [0, 2, 4]
     assert all(0.0 <= r["eval/preference_accuracy"] <= 1.0 for r in records if r["step"] in (0, 4))

@@ -37,6 +37,10 @@ class RewardModelConfig(Section):
     unfreeze_lr, its warm-up and schedule over the steps left). None: the top layers only."""
     unfreeze_lr: float | None = Field(None, gt=0)
     """Learning rate once every parameter trains; None: optimizer.lr."""
+    score_init: Literal["random", "zero"] = "random"
+    """How a fresh score head starts (model_path a causal LM): random (transformers' draw) or
+    zero (every score 0 at first, so the backbone gets no gradient until the head has learned
+    a direction, not a random one's). A reward model's own head is kept either way."""
 
     @model_validator(mode="after")
     def _unfreeze_needs_frozen_layers(self) -> RewardModelConfig:
@@ -57,6 +61,11 @@ class RmAlgorithmConfig(Section):
     """Evaluate held-out pair accuracy every K steps and at the end; 0 disables."""
     seed: int = 0
     """Seed of data order, of the synthetic pairs and of the score head's initialisation."""
+    chosen_lm_coef: float = Field(0.0, ge=0)
+    """Weight of an auxiliary language-modelling loss added to the Bradley-Terry loss: the mean
+    next-token cross-entropy of the chosen response's tokens, read from the decoder's last
+    hidden states through its input embeddings (a model with tied word embeddings). It keeps
+    the backbone computing the right answer where the score is read. 0: Bradley-Terry alone."""
 
 
 class RmConfig(Section):

@@ -49,12 +49,15 @@ class RewardModel:
         verbosity = transformers_logging.get_verbosity()
         transformers_logging.set_verbosity_error()  # "score.weight newly initialized": meant
         try:
-            self.model = AutoModelForSequenceClassification.from_pretrained(
-                str(path), num_labels=1, dtype=getattr(torch, dtype)
+            self.model, loading = AutoModelForSequenceClassification.from_pretrained(
+                str(path), num_labels=1, dtype=getattr(torch, dtype), output_loading_info=True
             )
         finally:
             transformers_logging.set_verbosity(verbosity)
         self.model.config.pad_token_id = self.pad_token_id
+        # the head was drawn here: the folder holds a causal LM, not a reward model
+        prefix = self.model.base_model_prefix + "."
+        self.fresh_head = any(not key.startswith(prefix) for key in loading["missing_keys"])
         self.model.to(self.device)
         self.model.train(trainable)
         self.model.requires_grad_(trainable)
@@ -116,9 +119,20 @@ class RewardModelTrainer(RewardModel):
         trainable_layers: int | None = None,
         unfreeze_after: int | None = None,
         unfreeze_lr: float | None = None,
+        chosen_lm_coef: float = 0.0,
+        score_init: str = "random",
     ):
         super().__init__(path, device, dtype, max_length, trainable=True, seed=seed)
+        if score_init == "zero" and self.fresh_head:
+            self._zero_score_head()
         self.optimizer_config, self.total_steps = optimizer, total_steps
+        self.chosen_lm_coef = chosen_lm_coef
+        if chosen_lm_coef and not getattr(self.model.config, "tie_word_embeddings", False):
+            raise ValueError(
+                f"algorithm.chosen_lm_coef needs a model whose output layer is its input "
+                f"embeddings (tie_word_embeddings); {path} has its own output layer, which a "
+                "sequence-classification model drops (set algorithm.chosen_lm_coef=0)"
+            )
         self.unfreeze_after = unfreeze_after if trainable_layers is not None else None
         self.unfreeze_lr = unfreeze_lr
         self.steps_done, self.unfrozen = 0, False
@@ -126,6 +140,21 @@ class RewardModelTrainer(RewardModel):
             self.freeze_below(trainable_layers)
         self.max_grad_norm = optimizer.max_grad_norm
         self._build_optimizer(optimizer, total_steps)
+
+    def _zero_score_head(self) -> None:
+        """Zero the last linear layer of the fresh head (``score`` of a decoder's classification
+        model): every score starts at 0 and the backbone gets no gradient until the head has
+        learned a direction, instead of a random head's."""
+        head = [
+            module
+            for name, child in self.model.named_children()
+            if name != self.model.base_model_prefix
+            for module in child.modules()
+            if isinstance(module, torch.nn.Linear)
+        ]
+        torch.nn.init.zeros_(head[-1].weight)
+        if head[-1].bias is not None:
+            torch.nn.init.zeros_(head[-1].bias)
 
     def _build_optimizer(self, config: OptimizerConfig, steps: int) -> None:
         from tandem.trainer.schedule import build_optimizer
@@ -174,8 +203,21 @@ class RewardModelTrainer(RewardModel):
         self.model.train()
         prompts = [p["prompt"] for p in pairs]
         responses = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
-        scores = self.forward(prompts + prompts, responses)
+        batch = self.encode(prompts + prompts, responses)
+        hidden: list[torch.Tensor] = []  # the decoder's last hidden states, for the LM loss
+        hook = self.model.base_model.register_forward_hook(
+            lambda _module, _args, output: hidden.append(output[0])
+        )
+        try:
+            scores = self.model(**batch).logits[:, 0].float()
+        finally:
+            hook.remove()
         loss, metrics = bradley_terry(scores[: len(pairs)], scores[len(pairs) :])
+        if self.chosen_lm_coef:
+            chosen = {key: value[: len(pairs)] for key, value in batch.items()}
+            lm_loss = self._chosen_lm_loss(hidden[0][: len(pairs)], chosen, pairs)
+            loss = loss + self.chosen_lm_coef * lm_loss
+            metrics["chosen_lm_loss"] = float(lm_loss.detach())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(
@@ -185,6 +227,28 @@ class RewardModelTrainer(RewardModel):
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         return {**metrics, "grad_norm": float(norm), "lr": float(lr)}
+
+    def _chosen_lm_loss(
+        self, hidden: torch.Tensor, batch: dict[str, torch.Tensor], pairs: Sequence[dict[str, str]]
+    ) -> torch.Tensor:
+        """Mean next-token cross-entropy of the chosen responses' tokens (those after the
+        prompt's), predicted from the decoder's last hidden states through the input embeddings
+        (the causal LM's tied output layer): the backbone keeps computing the right answer."""
+        weight = self.model.get_input_embeddings().weight
+        logits = (hidden[:, :-1] @ weight.T).float()
+        labels = batch["input_ids"][:, 1:].clone()
+        kept = batch["attention_mask"].sum(dim=1).tolist()
+        positions = torch.arange(labels.shape[1], device=labels.device)
+        for row, pair in enumerate(pairs):
+            text = pair["prompt"] + pair["chosen"]
+            dropped = len(self.tokenizer.encode(text, add_special_tokens=False)) - kept[row]
+            start = len(self.tokenizer.encode(pair["prompt"], add_special_tokens=False)) - dropped
+            labels[row, (positions < start - 1) | (positions >= kept[row] - 1)] = -100
+        if not bool((labels != -100).any()):  # every response cut off by max_length
+            return logits.sum() * 0.0
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+        )
 
     @torch.no_grad()
     def evaluate(self, pairs: Sequence[dict[str, str]], batch_size: int = 256) -> dict[str, float]:
