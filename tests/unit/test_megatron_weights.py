@@ -147,3 +147,34 @@ def test_split_refuses_uneven_and_stage_names() -> None:
         "decoder.layers.7.input_layernorm.weight"
     )
     assert stage_name("output_layer.weight", 4) == "output_layer.weight"
+
+
+def test_pad_row_gets_no_gradient_from_the_lookup_as_in_hugging_face() -> None:
+    """An embedding without ``padding_idx`` plus the hook: the values and gradients of
+    ``nn.Embedding(..., padding_idx=pad)``, the pad row still learning as a tied output layer."""
+    from tandem.trainer.megatron_weights import pad_row_without_input_grad
+
+    torch.manual_seed(0)
+    pad = 5
+    hf = torch.nn.Embedding(8, 4, padding_idx=pad)
+    with torch.no_grad():
+        hf.weight[pad] = torch.randn(4)  # a trained pad row (HF only zeroes it at init)
+    plain = torch.nn.Embedding(8, 4)
+    plain.weight.data.copy_(hf.weight.data)
+    pad_row_without_input_grad(plain, pad)
+    ids = torch.tensor([[1, pad, 2, pad], [pad, 3, 3, 0]])
+    target = torch.randn(2, 4, 4)
+    grads = []
+    for emb in (hf, plain):
+        out = emb(ids)
+        tied = out @ emb.weight.T  # the output layer's use of the same rows
+        ((out - target).pow(2).sum() + tied.logsumexp(-1).sum()).backward()
+        grads.append(emb.weight.grad)
+    torch.testing.assert_close(hf(ids), plain(ids))
+    torch.testing.assert_close(grads[0], grads[1])
+    assert grads[1][pad].abs().sum() > 0  # the output side still reaches the pad row
+
+    unhooked = torch.nn.Embedding(8, 4)
+    unhooked.weight.data.copy_(hf.weight.data)
+    (unhooked(ids) - target).pow(2).sum().backward()
+    assert unhooked.weight.grad[pad].abs().sum() > 0  # what the hook takes away

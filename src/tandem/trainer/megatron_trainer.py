@@ -42,6 +42,7 @@ from tandem.trainer.megatron_weights import (
     global_name,
     hf_to_megatron,
     megatron_tensor_to_hf,
+    pad_row_without_input_grad,
     stage_name,
     tp_split,
 )
@@ -161,6 +162,9 @@ class MegatronTrainer:
             post_process=self.last_stage,
             **gpt_model_kwargs(self.hf_config, self.shape),
         )
+        if self.first_stage:  # the pad row learns only as the output layer, as in HF
+            pad_id = getattr(self.hf_config, "pad_token_id", None)
+            pad_row_without_input_grad(model.embedding.word_embeddings, pad_id)
         return model.to(self.device)
 
     def _layer_offset(self) -> int:

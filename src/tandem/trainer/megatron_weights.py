@@ -291,3 +291,22 @@ def tp_gather(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
         halves = [shard.chunk(2) for shard in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
     return torch.cat(shards, dim=dim)
+
+
+def pad_row_without_input_grad(module: torch.nn.Module, pad_id: int | None) -> None:
+    """Give ``module`` (an embedding lookup: ids in, vectors out) the Hugging Face model's
+    ``padding_idx``: Qwen2 and Llama build ``nn.Embedding(vocab, hidden, pad_token_id)``, whose
+    row ``pad_id`` gets no gradient from the lookup (it still does as a tied output layer).
+    Megatron's embedding has no such row, so positions holding ``pad_id`` (the embedded model's
+    EOS is its pad token) pass their vectors on detached: the same values, the same gradients
+    as the Hugging Face model."""
+    if pad_id is None:
+        return
+
+    def detach_pad_rows(_: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        ids = args[0]
+        if output.shape[: ids.dim()] != ids.shape:  # not one vector per id (e.g. scattered)
+            return output
+        return torch.where((ids == pad_id).unsqueeze(-1), output.detach(), output)
+
+    module.register_forward_hook(detach_pad_rows)
