@@ -236,7 +236,8 @@ def throughput(root: Path, peak: float) -> Any:
         if backend == "megatron":
             kept = (trainer, batch, before_build)
         else:
-            release(trainer)
+            trainer = None  # the loop's name held it past release() into the next build
+            release()
     return kept
 
 
