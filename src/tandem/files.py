@@ -19,6 +19,17 @@ def sibling(path: Path, suffix: str, hidden: bool = False) -> Path:
     return path.with_name(("." if hidden else "") + path.name + suffix)
 
 
+def remove_dir(path: Path) -> None:
+    """``shutil.rmtree`` that finishes when a Ctrl-C or SIGTERM cuts it (the interrupt handler
+    ignores the signals after the first), then lets the interrupt go on: a removal is short,
+    and one left half-done leaves a hidden folder behind an interrupted run."""
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
 def replace_dir(tmp: Path, path: Path, hidden: bool = False) -> None:
     """Rename the complete folder ``tmp`` to ``path``. ``rename`` cannot replace a folder that
     holds files, so a previous ``path`` is renamed to its ``.old`` sibling first and removed
@@ -29,7 +40,7 @@ def replace_dir(tmp: Path, path: Path, hidden: bool = False) -> None:
     if path.exists():
         os.replace(path, old)
     os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    remove_dir(old)
 
 
 @contextlib.contextmanager
@@ -51,5 +62,5 @@ def atomic_dir(path: Path, *, hidden: bool = False, create: bool = True) -> Iter
         yield tmp
         replace_dir(tmp, path, hidden)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_dir(tmp)
         raise

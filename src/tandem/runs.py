@@ -15,7 +15,7 @@ from typing import Any
 
 from tandem.config import DpoConfig, GrpoConfig, SftConfig
 from tandem.config.models import CheckpointConfig, LoggingConfig
-from tandem.files import atomic_dir, sibling
+from tandem.files import atomic_dir, remove_dir, sibling
 from tandem.interrupts import received
 from tandem.logging.metrics import read_metrics
 
@@ -142,14 +142,19 @@ class Checkpoints:
     def _prune(self) -> None:
         """Drops all but the newest ``keep`` complete checkpoints; each is renamed to a hidden
         name first, so a prune cut off half-way never leaves a ``step_N`` with files missing.
-        What a killed run left half-written or half-deleted (hidden names) goes too."""
-        for old in self.complete()[self.config.keep :]:
-            doomed = sibling(old, ".del", hidden=True)
-            shutil.rmtree(doomed, ignore_errors=True)
-            os.replace(old, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
-        for leftover in self.root.glob(".step_*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+        What a killed run left half-written or half-deleted (hidden names) goes too. A Ctrl-C
+        or SIGTERM in the middle still ends the sweep of hidden names (``finally``; the
+        interrupt handler ignores the signals after the first), so an interrupted run leaves
+        none behind."""
+        try:
+            for old in self.complete()[self.config.keep :]:
+                doomed = sibling(old, ".del", hidden=True)
+                shutil.rmtree(doomed, ignore_errors=True)
+                os.replace(old, doomed)
+                remove_dir(doomed)
+        finally:
+            for leftover in self.root.glob(".step_*"):
+                remove_dir(leftover)
 
 
 def _step_number(path: Path) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,28 @@ def test_checkpoint_is_atomic_and_pruned(tmp_path: Path) -> None:
     latest = ckpts.latest()
     assert latest is not None and latest.name == "step_3"
     assert json.loads((latest / "driver_state.json").read_text())["note"] == 3
+
+
+def test_a_prune_cut_short_by_ctrl_c_leaves_no_hidden_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpts = Checkpoints(tmp_path, CheckpointConfig(every=1, keep=1))
+    ckpts.save(1, FakeTrainerSaver(), {})
+    real_rmtree = shutil.rmtree
+    cut = []
+
+    def rmtree_cut_once(path: Path, ignore_errors: bool = False) -> None:
+        if Path(path).name.endswith(".del") and Path(path).exists() and not cut:
+            cut.append(path)  # half the files gone, then the signal
+            next(Path(path).rglob("shard")).unlink()
+            raise KeyboardInterrupt
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree_cut_once)
+    with pytest.raises(KeyboardInterrupt):
+        ckpts.save(2, FakeTrainerSaver(), {})
+    assert cut
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_2"]
 
 
 def test_metrics_logger_writes_jsonl_tensorboard_and_plot(tmp_path: Path) -> None:
