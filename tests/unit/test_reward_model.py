@@ -265,3 +265,17 @@ def test_unfreeze_after_without_trainable_layers_is_a_config_error() -> None:
         load_config(RmConfig, None, ["model.unfreeze_after=5"])
     config = load_config(RmConfig, None, ["model.unfreeze_after=5", "model.trainable_layers=1"])
     assert config.model.unfreeze_after == 5
+
+
+def test_the_rm_recipe_holds_out_one_pair_per_held_out_problem() -> None:
+    from tandem.config.load import load_config
+    from tandem.config.reward_model import RmConfig
+    from tandem.data.arithmetic import ArithmeticTask
+    from tandem.data.preferences import load_pairs
+
+    config = load_config(RmConfig, "rm_arithmetic")
+    _, held_out, prompts = load_pairs(config.data, config.algorithm.seed, num_train=8)
+    problems = ArithmeticTask(seed=0).num_eval_problems
+    assert len(held_out) == len({p["prompt"] for p in held_out}) == problems
+    assert all(p["chosen"] != p["rejected"] for p in held_out)
+    assert {p["prompt"] for p in prompts} == {p["prompt"] for p in held_out}
