@@ -21,6 +21,9 @@ from tandem.config.models import OptimizerConfig
 from tandem.files import atomic_dir
 
 STATE_FILE = "reward_model.pt"
+LM_CHUNK_TOKENS = 1024
+"""Tokens whose logits ``chosen_lm_coef``'s loss forms at once (capped by the chunked head's
+``MAX_CHUNK_LOGITS``: 441 tokens at a 151,936-token vocabulary)."""
 
 
 class RewardModel:
@@ -127,6 +130,7 @@ class RewardModelTrainer(RewardModel):
             self._zero_score_head()
         self.optimizer_config, self.total_steps = optimizer, total_steps
         self.chosen_lm_coef = chosen_lm_coef
+        self.lm_chunk_tokens = LM_CHUNK_TOKENS
         if chosen_lm_coef and not getattr(self.model.config, "tie_word_embeddings", False):
             raise ValueError(
                 f"algorithm.chosen_lm_coef needs a model whose output layer is its input "
@@ -233,9 +237,12 @@ class RewardModelTrainer(RewardModel):
     ) -> torch.Tensor:
         """Mean next-token cross-entropy of the chosen responses' tokens (those after the
         prompt's), predicted from the decoder's last hidden states through the input embeddings
-        (the causal LM's tied output layer): the backbone keeps computing the right answer."""
+        (the causal LM's tied output layer): the backbone keeps computing the right answer.
+        Only the response tokens' logits are formed, ``lm_chunk_tokens`` at a time with the
+        policy trainer's chunked head (no ``[rows, tokens, vocabulary]`` logits)."""
+        from tandem.trainer.logprobs import token_logprobs
+
         weight = self.model.get_input_embeddings().weight
-        logits = (hidden[:, :-1] @ weight.T).float()
         labels = batch["input_ids"][:, 1:].clone()
         kept = batch["attention_mask"].sum(dim=1).tolist()
         positions = torch.arange(labels.shape[1], device=labels.device)
@@ -244,11 +251,13 @@ class RewardModelTrainer(RewardModel):
             dropped = len(self.tokenizer.encode(text, add_special_tokens=False)) - kept[row]
             start = len(self.tokenizer.encode(pair["prompt"], add_special_tokens=False)) - dropped
             labels[row, (positions < start - 1) | (positions >= kept[row] - 1)] = -100
-        if not bool((labels != -100).any()):  # every response cut off by max_length
-            return logits.sum() * 0.0
-        return torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+        trained = labels != -100
+        if not bool(trained.any()):  # every response cut off by max_length
+            return hidden.sum() * 0.0
+        picked, _ = token_logprobs(
+            hidden[:, :-1][trained], weight, labels[trained], self.lm_chunk_tokens
         )
+        return -picked.mean()
 
     @torch.no_grad()
     def evaluate(self, pairs: Sequence[dict[str, str]], batch_size: int = 256) -> dict[str, float]:
