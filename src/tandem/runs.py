@@ -91,8 +91,12 @@ class Checkpoints:
             (tmp / MANIFEST).write_text(json.dumps(sizes))
             (tmp / COMPLETE_MARKER).touch()
         pointer = self.root / "latest.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, self.root / "latest")
+        try:
+            pointer.write_text(final.name)
+            os.replace(pointer, self.root / "latest")
+        except BaseException:  # a Ctrl-C between the two leaves no latest.tmp behind
+            pointer.unlink(missing_ok=True)
+            raise
         self._prune()
         return final
 
