@@ -361,4 +361,9 @@ def model_dir(shape: str, args: argparse.Namespace, root: Path, cuda: bool) -> P
 
 
 if __name__ == "__main__":
-    main()
+    from tandem.interrupts import signals_as_interrupts
+
+    # SIGTERM (real_scale.py's stop at a part's limit) unwinds the run as Ctrl-C does: its
+    # workers and Ray are shut down on the way out
+    with signals_as_interrupts("bench/e2e_gpu.py"):
+        main()

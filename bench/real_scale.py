@@ -36,8 +36,8 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 GRACE_S = 30.0
-"""How long a part stopped at its limit (SIGINT: Ray and the trainers shut down) has before it
-is killed."""
+"""How long a part stopped at its limit (SIGTERM: tandem shuts Ray and its trainers down as
+after Ctrl-C) has before it is killed."""
 
 
 class Sink:
@@ -57,7 +57,7 @@ class Sink:
 def run_part(
     name: str, command: list[str], limit_s: float, sink: Sink, log: Path
 ) -> tuple[int | None, list[dict[str, Any]]]:
-    """``command`` in its own process group, its JSON lines passed on as they come; SIGINT at
+    """``command`` in its own process group, its JSON lines passed on as they come; SIGTERM at
     ``limit_s``, SIGKILL ``GRACE_S`` later. Returns (exit status, None past the limit; lines)."""
     env = {k: v for k, v in os.environ.items() if k != "BENCH_JSONL"}  # this sink writes them
     lines: list[dict[str, Any]] = []
@@ -87,8 +87,10 @@ def run_part(
 
 
 def stop(child: subprocess.Popen) -> None:
-    """SIGINT to the part's process group, then SIGKILL if it is still there after the grace."""
-    for sig, wait in ((signal.SIGINT, GRACE_S), (signal.SIGKILL, 10.0)):
+    """SIGTERM to the part's process group, then SIGKILL if it is still there after the grace.
+    Not SIGINT: a shell starts background jobs with SIGINT ignored, and their children inherit
+    that, so a matrix run from ``nohup ... &`` never stopped a part before the SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(child.pid, sig)
             child.wait(timeout=wait)

@@ -23,12 +23,14 @@ def sink(tmp_path: Path) -> real_scale.Sink:
 def test_a_part_past_its_limit_is_stopped_and_keeps_its_lines(
     tmp_path: Path, sink: real_scale.Sink
 ) -> None:
-    script = "import json, time; print(json.dumps({'figure': 'trl_step_s', 'value': 1.5}),"
-    script += " flush=True); time.sleep(60)"
+    # SIGINT ignored, as in every process a shell starts in the background
+    script = "import json, signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN);"
+    script += " print(json.dumps({'figure': 'trl_step_s', 'value': 1.5}), flush=True);"
+    script += " time.sleep(60)"
     log = tmp_path / "part.log"
     start = time.monotonic()
     rc, lines = real_scale.run_part("trl-0", [sys.executable, "-c", script], 3, sink, log)
-    assert time.monotonic() - start < 20  # SIGINT ended it, not the sleep
+    assert time.monotonic() - start < 20  # the stop ended it, not the sleep or the SIGKILL
     assert rc is None and lines == [{"figure": "trl_step_s", "value": 1.5}]
     written = [json.loads(line) for line in sink.path.read_text().splitlines()]
     assert written == [{"figure": "trl_step_s", "value": 1.5, "part": "trl-0", "cell": "test"}]
