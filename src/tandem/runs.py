@@ -131,7 +131,7 @@ class Checkpoints:
                     _log.warning(f"--resume: continuing from {path}")
                 return dict(json.loads((path / "driver_state.json").read_text()))
             aside = path.with_name(DAMAGED_PREFIX + path.name)
-            shutil.rmtree(aside, ignore_errors=True)
+            remove_dir(aside)
             os.replace(path, aside)
             _log.warning(
                 f"--resume: checkpoint {path} is damaged ({problem}); moved to {aside.name}, "
@@ -153,7 +153,7 @@ class Checkpoints:
         try:
             for old in self.complete()[self.config.keep :]:
                 doomed = sibling(old, ".del", hidden=True)
-                shutil.rmtree(doomed, ignore_errors=True)
+                remove_dir(doomed)
                 os.replace(old, doomed)
                 remove_dir(doomed)
         finally:
