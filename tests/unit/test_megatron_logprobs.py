@@ -22,17 +22,22 @@ def _inputs(seed: int = 0):
     return hidden, layer, ids, mask, vocab
 
 
-def test_chunked_head_equals_full_logits_over_the_real_vocabulary():
-    hidden, layer, ids, mask, vocab = _inputs()
-    kwargs = megatron_logprobs.head_kwargs(1, vocab, chunk_size=4, with_entropy=True)
-    output = kwargs["output_processor"](
+def _head(vocab, chunk_size, with_entropy, hidden, ids, layer=None, weight=None, **more):
+    """GPTModel's call of the output processor (``more``: what else it passes, ignored)."""
+    kwargs = megatron_logprobs.head_kwargs(1, vocab, chunk_size, with_entropy=with_entropy)
+    return kwargs["output_processor"](
         hidden_states=hidden,
         output_layer=layer,
-        output_weight=None,
+        output_weight=weight,
         input_ids=ids,
         context=kwargs["output_processor_context"],
-        labels=None,  # what else GPTModel passes is ignored
+        **more,
     )
+
+
+def test_chunked_head_equals_full_logits_over_the_real_vocabulary():
+    hidden, layer, ids, mask, vocab = _inputs()
+    output = _head(vocab, 4, True, hidden, ids, layer=layer, labels=None)
     logprobs, entropy = megatron_logprobs.aligned(output, ids, mask, True, None, vocab)
     (logprobs.sum() + 0.5 * entropy.sum()).backward()
     chunked = (hidden.grad.clone(), layer.weight.grad.clone())
@@ -58,14 +63,7 @@ def test_chunked_head_equals_full_logits_over_the_real_vocabulary():
 def test_tied_weight_and_no_entropy():
     hidden, layer, ids, mask, vocab = _inputs(1)
     tied = layer.weight.detach().clone()[:vocab]
-    kwargs = megatron_logprobs.head_kwargs(1, vocab, chunk_size=1024, with_entropy=False)
-    output = kwargs["output_processor"](
-        hidden_states=hidden,
-        output_layer=None,
-        output_weight=tied,
-        input_ids=ids,
-        context=kwargs["output_processor_context"],
-    )
+    output = _head(vocab, 1024, False, hidden, ids, weight=tied)
     logprobs, entropy = megatron_logprobs.aligned(output, ids, mask, False, None, vocab)
     logits = hidden.detach().transpose(0, 1) @ tied.T
     want = F.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
