@@ -20,6 +20,7 @@
 #       CPU too: checks the script end to end
 #
 # Environment: OUT (default /tmp/lora-out): lora.jsonl (every JSON line) and a log per part;
+# LIMIT: each real part's limit in seconds (default 500);
 # PYTHON (default python3); TRL_PYTHON (the Python with TRL, default PYTHON). On an offline GPU
 # machine the bundle (scripts/offline_bundle.sh: Ray, pydantic, peft, TRL...) is unpacked first
 # when .gpu/site is missing; PYTHONPATH gets .gpu/site, src and bench.
@@ -52,7 +53,7 @@ else
          --max-tokens 128 --micro-batch-size 8 --activation-checkpointing)
     small=(--shapes 1.5b --lora 32 --steps 3 --prompts 8 --generations 8 --mean-length 32
            --max-tokens 128 --micro-batch-size 8 --activation-checkpointing --trl-micro-batch 8)
-    limit=(500 500 500)  # room for the bundle's unpack in a 10-minute call
+    limit=("${LIMIT:-500}" "${LIMIT:-500}" "${LIMIT:-500}")  # room for the bundle's unpack in a 10-minute call
 fi
 
 part() {  # name, limit in seconds, command...

@@ -24,8 +24,8 @@ from ceilings import QWEN_1P5B, emit, measure_ceilings, random_model_dir
 from tandem.algorithms.losses import nll_loss
 from tandem.config.models import OptimizerConfig, PolicyConfig
 from tandem.data.batch import TrainBatch
+from tandem.tensors.devices import release_device_caches
 from tandem.trainer import PolicyTrainer
-from tandem.trainer.offload import release_device_caches
 
 
 def device_state_bytes(trainer: PolicyTrainer) -> int:

@@ -64,3 +64,33 @@ def test_in_flight_refit_under_cuda_graphs(k: int) -> None:
     old_model, new_model = HfGenerator(DEFAULT_MODEL_DIR), HfGenerator(DEFAULT_MODEL_DIR)
     new_model.load_weights(iter(new.items()))
     check_versions_and_logprobs(rollouts, k, old_model.model, new_model.model, atol=1e-4)
+
+
+def test_sleep_frees_the_device_and_wake_up_gives_the_same_samples() -> None:
+    """Colocated with a trainer the generator sleeps while it trains: nothing of it stays on
+    the device (weights on the host, the last decode's cache handed back), and after
+    ``wake_up`` it samples what it sampled before, from the same parameter objects."""
+    from tandem.tensors.devices import release_device_caches
+
+    release_device_caches()
+    before, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    generator = HfGenerator(DEFAULT_MODEL_DIR, device="cuda:0", dtype="float32")
+    prompts = [generator.tokenizer.encode(p) for p in ["17+25=", "3-1=", "99+99="]]
+    params = SamplingParams(temperature=1.0, max_tokens=8, n=4, seed=5)
+    first = generator.generate(prompts, params)
+    objects = [id(p) for p in generator.model.parameters()]
+    assert generator.supports_sleep
+    generator.sleep()
+    assert torch.cuda.memory_allocated() <= before
+    assert torch.cuda.memory_reserved() <= reserved
+    generator.wake_up(["weights"])
+    generator.wake_up(["kv_cache"])
+    assert [id(p) for p in generator.model.parameters()] == objects
+    again = generator.generate(prompts, params)
+    assert [r.response_token_ids for r in again] == [r.response_token_ids for r in first]
+    assert [r.response_logprobs for r in again] == [r.response_logprobs for r in first]
+    generator.sleep()  # a second sleep reuses the host copies of the first
+    generator.wake_up()
+    assert [r.response_token_ids for r in generator.generate(prompts, params)] == [
+        r.response_token_ids for r in first
+    ]

@@ -14,8 +14,8 @@ import torch
 from tandem.algorithms.losses import nll_loss
 from tandem.config.models import OptimizerConfig, PolicyConfig
 from tandem.data.batch import TrainBatch
+from tandem.tensors.devices import release_device_caches
 from tandem.trainer import PolicyTrainer
-from tandem.trainer.offload import release_device_caches
 
 megatron = pytest.importorskip("megatron.core", reason="needs megatron-core (the megatron extra)")
 

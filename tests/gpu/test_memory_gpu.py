@@ -24,8 +24,8 @@ from tandem.algorithms.losses import nll_loss
 from tandem.assets import DEFAULT_MODEL_DIR
 from tandem.config.models import OptimizerConfig, PolicyConfig
 from tandem.data.batch import TrainBatch
+from tandem.tensors.devices import release_device_caches
 from tandem.trainer import PolicyTrainer
-from tandem.trainer.offload import release_device_caches
 from tandem.weight_sync import make_receiver, make_sender
 
 pytestmark = [

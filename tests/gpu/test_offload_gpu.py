@@ -18,8 +18,8 @@ import transformers
 from tandem.algorithms.losses import nll_loss
 from tandem.config.models import OptimizerConfig, PolicyConfig
 from tandem.data.batch import TrainBatch
+from tandem.tensors.devices import release_device_caches
 from tandem.trainer import PolicyTrainer
-from tandem.trainer.offload import release_device_caches
 
 pytestmark = [
     pytest.mark.gpu,

@@ -480,3 +480,25 @@ def test_the_graphed_decode_captures_once_per_rows_and_window(
     assert [r.response_token_ids for r in graphed] == [r.response_token_ids for r in eager]
     for g, e in zip(graphed, eager, strict=True):
         assert g.response_logprobs == pytest.approx(e.response_logprobs, abs=1e-6)
+
+
+def test_weights_leave_for_the_host_and_come_back_as_the_same_objects(
+    generator: HfGenerator,
+) -> None:
+    """What ``sleep`` does on a GPU (on a CPU it is a no-op: the memory is the host's):
+    every storage of the weights emptied, then refilled under the same parameter objects."""
+    ids = _prompt_ids(generator)
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=3)
+    before = generator.generate(ids, params)
+    objects = [id(p) for p in generator.model.parameters()]
+    generator.sleep()  # on the CPU: nothing moves
+    assert not generator.supports_sleep
+    assert all(p.untyped_storage().nbytes() for p in generator.model.parameters())
+    moved = generator._weights_to_host()
+    assert moved.nbytes >= sum(p.numel() * p.element_size() for p in generator.model.parameters())
+    assert all(p.untyped_storage().nbytes() == 0 for p in generator.model.parameters())
+    moved.onload()
+    assert [id(p) for p in generator.model.parameters()] == objects
+    again = generator.generate(ids, params)
+    assert [r.response_token_ids for r in again] == [r.response_token_ids for r in before]
+    assert [r.response_logprobs for r in again] == [r.response_logprobs for r in before]

@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from tandem.trainer.storage_offload import StorageOffload, attribute_tensors
+from tandem.tensors.storage_offload import StorageOffload, attribute_tensors
 from tandem.trainer.vocab_parallel import token_logprobs
 
 

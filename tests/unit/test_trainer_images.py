@@ -101,6 +101,24 @@ def test_training_moves_the_vision_tower() -> None:
     )
 
 
+def test_activation_checkpointing_recomputes_the_vision_blocks_too() -> None:
+    """Checkpointed decoder layers and vision blocks give the same loss and step, and the
+    weights keep their Hugging Face names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    batch = image_batch(4)
+    plain = PolicyTrainer(_config(micro_batch_size=2))
+    checkpointed = PolicyTrainer(_config(micro_batch_size=2, activation_checkpointing=True))
+    blocks = checkpointed.lm.model.visual.blocks
+    assert all(isinstance(block, CheckpointWrapper) for block in blocks)
+    a, b = plain.train(batch, token_nll), checkpointed.train(batch, token_nll)
+    assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    trained = dict(plain.iter_weights())
+    for name, tensor in checkpointed.iter_weights():
+        assert (trained[name] - tensor).abs().max() <= 1e-6, name
+
+
 def _rank(rank: int, world_size: int, out: str) -> None:
     from torch.distributed.fsdp import FSDPModule
 

@@ -246,6 +246,8 @@ def write_real_shape(
     import torch
     import transformers
 
+    from tandem.tensors.devices import release_device_caches
+
     if (path / "config.json").exists():
         return path
     config = real_config(shape, num_layers)
@@ -261,6 +263,8 @@ def write_real_shape(
     note = {"shape": shape, "num_layers": config.num_hidden_layers, "mean_length": mean_length}
     (partial / "random_model.json").write_text(json.dumps(note | {"eos_scale": scale}) + "\n")
     partial.rename(path)  # a folder that exists is complete
+    del model
+    release_device_caches()  # initialised on a GPU: its blocks back, not kept by this process
     return path
 
 

@@ -120,6 +120,8 @@ def _write(
     import torch
     import transformers
 
+    from tandem.tensors.devices import release_device_caches
+
     # resolved outside the device context (a lazily imported module's tensors would land there)
     model_class = transformers.Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(0)
@@ -133,6 +135,8 @@ def _write(
     if tokenizer is not None:
         tokenizer.save_pretrained(partial)
     partial.rename(path)
+    del model
+    release_device_caches()  # initialised on a GPU: its blocks back, not kept by this process
     return path
 
 

@@ -40,7 +40,8 @@ from tandem.generation.hf_vision import ImagePrefill, load_generation_model, sam
 from tandem.generation.packed_linear import pack_linears
 from tandem.generation.static_decode import Decoder, StaticDecode
 from tandem.tensors import TargetRuns, device_copies
-from tandem.tensors.devices import DTYPES
+from tandem.tensors.devices import DTYPES, release_device_caches
+from tandem.tensors.storage_offload import StorageOffload
 
 COMPACT_AT = 0.75
 """The decode drops its stopped rows (their KV cache with them) once the rows still decoding
@@ -236,6 +237,8 @@ class HfGenerator(Generator):
         self._refit_targets: TargetRuns | None = None  # the parameters in a refit's order
         self.adapter = PeftAdapter(self.model)
         """LoRA adapters refits send (``refit.lora=adapter``), applied through peft."""
+        self._asleep: StorageOffload | None = None  # the weights on the host while asleep
+        self._asleep_before: StorageOffload | None = None  # its host memory, for the next sleep
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Rollout]:
         if any(len(p) == 0 for p in prompt_token_ids):
@@ -504,6 +507,35 @@ class HfGenerator(Generator):
         """The packed linear layers follow their weights (after a refit wrote them)."""
         for layer in self._packed:
             layer.repack()
+
+    # -- colocated memory: sleep and wake_up ---------------------------------------------------
+    @property
+    def supports_sleep(self) -> bool:
+        """On a GPU: ``sleep`` moves the weights to pinned host memory and frees the rest."""
+        return self.device.type == "cuda"
+
+    def sleep(self) -> None:
+        """Colocated with a trainer on a GPU: the weights' storages to (pinned) host memory,
+        resized to 0 bytes, and the caching allocator's blocks (the last decode's KV cache)
+        handed back. Every parameter object stays as it is, so a refit's targets and peft's
+        adapters keep pointing at them. No-op on a CPU (the memory is the host's already)."""
+        if self.supports_sleep and self._asleep is None:
+            self._asleep = self._weights_to_host(self._asleep_before)
+            release_device_caches()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """The weights back in place (any tag: there is no KV cache between calls)."""
+        if self._asleep is not None:
+            self._asleep.onload()
+            self._asleep_before, self._asleep = self._asleep, None
+
+    def _weights_to_host(self, previous: StorageOffload | None = None) -> StorageOffload:
+        """Offload every storage of the model's parameters and buffers (the host copies of
+        ``previous`` reused where the storages are the same)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        moved = StorageOffload(tensors, self.device, previous=previous)
+        moved.offload()
+        return moved
 
     def shutdown(self) -> None:
         del self.model

@@ -14,3 +14,13 @@ def default_device(rank: int = 0) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def release_device_caches() -> None:
+    """Return cached device memory: cuBLAS workspaces live in the caching allocator."""
+    if not torch.cuda.is_available():
+        return
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()

@@ -34,6 +34,8 @@ from tandem.config.models import PolicyConfig
 from tandem.contracts import LossFn
 from tandem.data.batch import TrainBatch
 from tandem.data.packing import MICRO_BATCH_OVERHEAD, MicroBatch, plan_micro_batches, trimmed
+from tandem.tensors.devices import release_device_caches
+from tandem.tensors.storage_offload import StorageOffload, attribute_tensors
 from tandem.trainer import megatron_checkpoint, megatron_logprobs
 from tandem.trainer.megatron_batches import join_model_parallel
 from tandem.trainer.megatron_config import gpt_model_kwargs, transformer_config_kwargs
@@ -46,10 +48,8 @@ from tandem.trainer.megatron_weights import (
     stage_name,
     tp_split,
 )
-from tandem.trainer.offload import release_device_caches
 from tandem.trainer.parallelize import init_distributed
 from tandem.trainer.schedule import lr_factor
-from tandem.trainer.storage_offload import StorageOffload, attribute_tensors
 
 
 def _load_hf_state(path: Path) -> dict[str, torch.Tensor]:

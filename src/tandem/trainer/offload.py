@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from tandem.tensors.copies import device_copies
+from tandem.tensors.devices import release_device_caches
 from tandem.trainer.parallelize import reshard
 
 try:
@@ -254,16 +255,6 @@ def reserve_segment(device: torch.device, num_bytes: int) -> None:
     if num_bytes > 0:
         block = torch.empty(num_bytes, dtype=torch.uint8, device=device)
         del block
-
-
-def release_device_caches() -> None:
-    """Return cached device memory: cuBLAS workspaces live in the caching allocator."""
-    if not torch.cuda.is_available():
-        return
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-    torch.cuda.empty_cache()
 
 
 def move_state(

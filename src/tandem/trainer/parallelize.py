@@ -86,12 +86,17 @@ def vision_tower(model: nn.Module) -> nn.Module | None:
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Wrap every decoder layer so backward recomputes its activations. torch's wrapper strips
-    its ``_checkpoint_wrapped_module.`` prefix from state dicts (plain and DCP), so parameter
-    names stay Hugging Face names and checkpoints load with or without it."""
-    layers = decoder_layers(model)
-    for index, layer in enumerate(layers):
-        layers[index] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    """Wrap every decoder layer, and a vision tower's blocks (an image of 1024 patches through
+    32 blocks keeps more activations than its rows' text), so backward recomputes their
+    activations. torch's wrapper strips its ``_checkpoint_wrapped_module.`` prefix from state
+    dicts (plain and DCP), so parameter names stay Hugging Face names and checkpoints load with
+    or without it."""
+    tower = vision_tower(model)
+    for blocks in (decoder_layers(model), getattr(tower, "blocks", None)):
+        if not isinstance(blocks, nn.ModuleList):
+            continue
+        for index, block in enumerate(blocks):
+            blocks[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
 def apply_fsdp(
