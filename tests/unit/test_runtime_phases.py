@@ -40,6 +40,10 @@ class RecordingTrainer(TrainerWorker):
         self.log.append(f"trainer policy={policy} reference={reference}")
         return super().set_residency(policy, reference)
 
+    def release_cached_memory(self) -> None:
+        self.log.append("trainer release")
+        super().release_cached_memory()
+
 
 class RecordingGenerator(GeneratorWorker):
     """The real (transformers) generator worker; its sleep can drop its weights, as vLLM's
@@ -116,7 +120,9 @@ STEP_PHASES = [
     # training: the reference leaves before the policy comes back
     "trainer policy=None reference=False",
     "trainer policy=True reference=None",
-    # refit: the engine's weights wake, not yet its KV cache
+    # refit: the resident trainer hands back its step's blocks, then the engine's weights
+    # wake, not yet its KV cache
+    "trainer release",
     "generator wake ['weights']",
 ]
 

@@ -18,7 +18,7 @@ import torch
 
 from tandem.config.models import GenerationConfig, PolicyConfig, RefitConfig, generator_dtype
 from tandem.data.batch import TrainBatch
-from tandem.tensors.devices import default_device
+from tandem.tensors.devices import default_device, release_device_caches
 
 T = TypeVar("T")
 
@@ -150,6 +150,11 @@ class TrainerWorker:
         if stats and torch.cuda.is_available():
             stats["allocated_bytes"] = float(torch.cuda.memory_allocated())
         return stats
+
+    def release_cached_memory(self) -> None:
+        """Hand the caching allocator's free blocks back (a step's activations), so that a
+        colocated generator can wake beside the resident trainer for the refit."""
+        release_device_caches()
 
     def pin_offload_memory(self) -> None:
         """Pin the host memory of the policy's and the reference's offloads, in the

@@ -154,6 +154,9 @@ class Runtime:
         now.policy = now.policy if policy is None else policy
         now.reference = now.reference if reference is None else reference
         if generators in ("weights", "awake"):
+            if now.generators == "asleep" and (now.policy or now.reference):
+                # a resident trainer (the refit) keeps its state, not its step's activations
+                self.trainers.run("release_cached_memory")
             self._wake_generators(generators)
 
     def _move_trainers(self, residency: dict[str, bool]) -> None:
