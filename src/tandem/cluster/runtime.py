@@ -84,8 +84,7 @@ class Runtime:
         self.trainers, self.generators = trainers, generators
         self._refit = refit if refit is not None else TransportRefit()
         self.engine_shutdown = engine_shutdown  # off where killing a worker ends its engine
-        self.memory_phases = memory_phases
-        self.discards_weights = discards_weights
+        self.memory_phases, self.discards_weights = memory_phases, discards_weights
         self.with_reference = with_reference
         self.where = where
         self.placement: Any = None
@@ -154,9 +153,6 @@ class Runtime:
         now.policy = now.policy if policy is None else policy
         now.reference = now.reference if reference is None else reference
         if generators in ("weights", "awake"):
-            if now.generators == "asleep" and (now.policy or now.reference):
-                # a resident trainer (the refit) keeps its state, not its step's activations
-                self.trainers.run("release_cached_memory")
             self._wake_generators(generators)
 
     def _move_trainers(self, residency: dict[str, bool]) -> None:
@@ -190,6 +186,8 @@ class Runtime:
         now = self._phase
         start = time.perf_counter()
         if now.generators == "asleep":
+            if now.policy or now.reference:  # a resident trainer keeps its state, not its blocks
+                self.trainers.run("release_cached_memory")
             tags = ["weights"] if target == "weights" else None
             self.generators.run("wake_up", tags)
             now.generators = target
