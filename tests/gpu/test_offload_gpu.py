@@ -215,6 +215,9 @@ def test_lora_offload_moves_the_base_or_keeps_it(
         assert all(local(p).device.type == "cuda" for n, p in params.items() if not p.requires_grad)
     trainer.onload()
     assert all(local(p).device.type == "cuda" for p in params.values())
+    if setup == "plain":  # the adapters come back back to back: an adapter refit copies them once
+        assert trainer.adapters is not None
+        assert trainer.adapters.scaled_copy(trainer.device) is not None
     loss_2 = trainer.train(make_batch(2), nll_loss)["loss"]
     assert loss_2 != pytest.approx(loss_1, rel=1e-4)
     del trainer, params, frozen, adapters

@@ -11,6 +11,8 @@ from tandem.tensors.copies import (
     coalesce,
     copy_tensors,
     device_copies,
+    pack_parameters,
+    span,
 )
 from tandem.weight_sync.buckets import flat_bytes, plan_buckets
 
@@ -197,3 +199,43 @@ def test_target_runs_copy_ranges_of_destinations_out_of_packed_bytes() -> None:
     assert runs.copy(3, 4, src[:0]) == 0  # only an empty tensor
     with pytest.raises(ValueError, match="source bytes"):
         runs.copy(0, len(dsts), src[:-1])
+
+
+def test_span_covers_tensors_laid_out_in_order_and_nothing_else() -> None:
+    """``span`` of tensors ``device_copies`` laid out is one tensor over them (their gaps
+    included) with each one's offset; out of order, of two dtypes, strided, empty or in two
+    storages they have none."""
+    gen = torch.Generator().manual_seed(5)
+    values = [torch.randn(3, 5, generator=gen), torch.randn(64, generator=gen)]
+    values.append(torch.randn(2, 8, generator=gen))
+    laid = device_copies(values, CPU)
+    found = span(laid)
+    assert found is not None
+    flat, offsets = found
+    assert offsets == [0, ALIGN_BYTES // 4, 2 * ALIGN_BYTES // 4]  # 60 bytes, then aligned
+    assert flat.data_ptr() == laid[0].data_ptr() and flat.numel() == offsets[-1] + 16
+    for tensor, at in zip(laid, offsets, strict=True):
+        assert torch.equal(flat[at : at + tensor.numel()].view(tensor.shape), tensor)
+    later = span(laid[1:])
+    assert later is not None and later[1] == [0, offsets[2] - offsets[1]]
+    assert span(laid[::-1]) is None  # out of order
+    assert span([laid[0], laid[0]]) is None  # overlapping
+    assert span([*laid, torch.randn(4)]) is None  # another storage
+    assert span(device_copies([values[0], values[1].double()], CPU)) is None  # two dtypes
+    assert span(device_copies([values[0], torch.zeros(0)], CPU)) is None  # empty
+    strided = device_copies([values[0], values[2].t()], CPU)
+    assert span([strided[0], strided[0].t()]) is None
+    assert span([]) is None
+
+
+def test_pack_parameters_lays_parameters_out_and_keeps_their_objects() -> None:
+    layers = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2, bias=False))
+    params = list(layers.parameters())
+    ids, values = [id(p) for p in params], [p.detach().clone() for p in params]
+    params[1].requires_grad_(False)
+    pack_parameters(params, CPU)
+    assert [id(p) for p in layers.parameters()] == ids
+    assert all(torch.equal(p, v) for p, v in zip(params, values, strict=True))
+    assert [p.requires_grad for p in params] == [True, False, True]
+    found = span(params)  # 12 and 3 floats, each at the next ALIGN_BYTES boundary
+    assert found is not None and found[1] == [0, ALIGN_BYTES // 4, 2 * ALIGN_BYTES // 4]

@@ -7,6 +7,11 @@ A's shape, the modules from the names, alpha = rank so the scale is 1); every re
 A and B into them. The generator computes what the trainer does, ``base(x) + B(A(x))``, and
 keeps its base weights as loaded: no merged copy to keep or undo. On a CPU the base layers stay
 oneDNN-packed (``PackedLinear`` is an ``nn.Linear`` that peft wraps like any other).
+
+The injected A and B lie back to back in one allocation, in the stream's order
+(``tensors.pack_parameters``), as the trainer keeps its own: a refit of them is one copy per run
+(``copy_tensors`` in this process, ``TargetRuns`` through a transport), and the targets of a
+stream's names are looked up once.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from torch import nn
 
 from tandem.adapters import split_adapter_name
+from tandem.tensors.copies import copy_tensors, pack_parameters
 
 ADAPTER = "tandem"
 """peft's name of the generator's one adapter."""
@@ -31,6 +37,8 @@ class PeftAdapter:
         self.rank: int | None = None
         self.modules: tuple[str, ...] = ()
         self._params: dict[str, torch.Tensor] = {}
+        self._loaded: tuple[list[str], list[torch.Tensor]] = ([], [])
+        """The names of the last stream ``load`` took and their targets."""
 
     def targets(self, metas: Sequence[tuple[str, Any]]) -> list[torch.Tensor]:
         """The tensor each ``(name, tensor_or_meta)`` of an adapter stream is copied into (only
@@ -63,11 +71,17 @@ class PeftAdapter:
             for kind in ("lora_A", "lora_B"):
                 weight = getattr(layer, kind)[ADAPTER].weight
                 self._params[f"base_model.model.{module}.{kind}.weight"] = weight
+        params = list(self._params.values())
+        pack_parameters(params, params[0].device)
         self.rank, self.modules = rank, modules
 
     @torch.no_grad()
     def load(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy a whole adapter stream into the LoRA layers (injecting them the first time)."""
-        items = [(name, tensor) for name, tensor in stream]
-        for target, (_, tensor) in zip(self.targets(items), items, strict=True):
-            target.copy_(tensor)
+        """Copy a whole adapter stream into the LoRA layers (injecting them the first time), in
+        as few copies as the two layouts allow (``copy_tensors``: one for a stream that holds
+        the tensors back to back in this order, ``trainer.lora.Adapters.scaled_copy``)."""
+        items = list(stream)
+        names = [name for name, _ in items]
+        if names != self._loaded[0]:  # another stream than the last: look its targets up
+            self._loaded = (names, self.targets(items))
+        copy_tensors(self._loaded[1], [tensor for _, tensor in items])

@@ -2,6 +2,22 @@
 no refit): ``copies.device_copies`` lays tensors out back to back, ``copies.copy_tensors`` and
 ``copies.TargetRuns`` copy many of them in few launches."""
 
-from tandem.tensors.copies import ALIGN_BYTES, TargetRuns, coalesce, copy_tensors, device_copies
+from tandem.tensors.copies import (
+    ALIGN_BYTES,
+    TargetRuns,
+    coalesce,
+    copy_tensors,
+    device_copies,
+    pack_parameters,
+    span,
+)
 
-__all__ = ["ALIGN_BYTES", "TargetRuns", "coalesce", "copy_tensors", "device_copies"]
+__all__ = [
+    "ALIGN_BYTES",
+    "TargetRuns",
+    "coalesce",
+    "copy_tensors",
+    "device_copies",
+    "pack_parameters",
+    "span",
+]

@@ -13,6 +13,9 @@ few:
   models laid out alike, or a packed bucket and such a model, a bucket is one copy.
 - ``TargetRuns`` does the same from a range of bytes that holds the tensors back to back,
   with no source tensors made: how a colocated receiver reads a run of a trainer's parameters.
+- ``pack_parameters`` lays parameters out with ``device_copies`` in place (each keeps its
+  object), and ``span`` finds tensors laid out so: one copy of the span copies them all (how a
+  LoRA trainer copies its adapters for a refit).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import bisect
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 ALIGN_BYTES = 256
 """Where tensors start in a layout of this module (and in a refit bucket): enough for every
@@ -54,6 +58,44 @@ def device_copies(tensors: Sequence[torch.Tensor], device: torch.device) -> list
             out = torch.empty_like(tensor, device=device)  # keeps the strides
         copies.append(out.copy_(tensor, non_blocking=True))
     return copies
+
+
+def pack_parameters(params: Sequence[torch.Tensor], device: torch.device) -> None:
+    """Lay ``params``' data out back to back in one allocation on ``device``, in order
+    (``device_copies``). Each parameter keeps its object (``torch.utils.swap_tensors``), so the
+    modules, an optimizer and every alias follow."""
+    with torch.no_grad():
+        copies = device_copies([param.detach() for param in params], device)
+    for param, copy in zip(params, copies, strict=True):
+        torch.utils.swap_tensors(param, nn.Parameter(copy, requires_grad=param.requires_grad))
+
+
+def span(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+    """The storage ``tensors`` lie in, from where the first starts to where the last ends, as
+    one 1-D tensor of their dtype, and each tensor's element offset into it: when they are
+    non-empty, contiguous, of one dtype, and in order without overlap in one storage (the gaps
+    between them included: ``device_copies`` aligns each). None otherwise. One pass over the
+    tensors that makes no tensor per tensor: this runs on every LoRA refit."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    dtype, size = first.dtype, first.element_size()
+    storage = first.untyped_storage()
+    start = first.data_ptr()
+    offsets, at = [], start
+    for tensor in tensors:
+        ptr = tensor.data_ptr()
+        if ptr < at or (ptr - start) % size or not tensor.nbytes:
+            return None
+        if tensor.dtype != dtype or not tensor.is_contiguous():
+            return None
+        offsets.append((ptr - start) // size)
+        at = ptr + tensor.nbytes
+    if at > storage.data_ptr() + storage.nbytes():
+        return None
+    flat = torch.empty(0, dtype=dtype, device=first.device)
+    flat.set_(storage, first.storage_offset(), ((at - start) // size,), (1,))
+    return flat, offsets
 
 
 def _byte_range(tensor: torch.Tensor, num_bytes: int) -> torch.Tensor:

@@ -8,7 +8,9 @@ what ``PeftModel.from_pretrained`` and vLLM's adapter loader read) and the weigh
 adapters merged in, in the base model's Hugging Face names.
 
 Tensors are read through ``gather`` (the trainer's ``full_tensor``: a collective for an FSDP2
-shard), one at a time, so no rank holds more than one layer's full weight.
+shard), one at a time, so no rank holds more than one layer's full weight. A plain module (one
+rank) keeps its adapters back to back in one allocation, in the order a refit streams them, so an
+adapter refit copies them in a handful of kernels (``Adapters.scaled_copy``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.adapters import adapter_name
+from tandem.adapters import KINDS, adapter_name
 from tandem.config.lora import LoraConfig
+from tandem.tensors.copies import span
 
 ADAPTER = "default"
 """peft's name of the one adapter the trainer trains."""
@@ -85,31 +88,67 @@ def lora_layers(lm: nn.Module) -> dict[str, Any]:
     }
 
 
-def adapter_metadata(
-    lm: nn.Module, dtype: torch.dtype | None = None
-) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(name, shape, dtype) of every tensor ``adapter_tensors`` yields; no communication."""
-    out = []
-    for name, layer in lora_layers(lm).items():
-        for kind in ("lora_A", "lora_B"):
-            weight = getattr(layer, kind)[ADAPTER].weight
-            out.append((adapter_name(name, kind), tuple(weight.shape), dtype or weight.dtype))
-    return out
+class Adapters:
+    """The adapters of the LoRA layers peft injected into ``lm``, in the order a refit streams
+    them (each layer's A then B, the layers in model order), found once: built after the model
+    is parallelised, its parameters stay the same objects (offload and onload swap their data in
+    place; FSDP2 keeps its sharded parameters), so no refit walks the model's modules again."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        layers = lora_layers(lm)
+        self.names = [adapter_name(name, kind) for name in layers for kind in KINDS]
+        self.params: list[torch.Tensor] = [
+            getattr(layer, kind)[ADAPTER].weight for layer in layers.values() for kind in KINDS
+        ]
+        self.scalings = [float(layer.scaling[ADAPTER]) for layer in layers.values()]
+        """Each layer's alpha / rank, by which its B is scaled for a refit."""
+
+    def metadata(
+        self, dtype: torch.dtype | None = None
+    ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(name, full shape, dtype) of every tensor ``tensors`` yields; no communication."""
+        return [
+            (name, tuple(param.shape), dtype or param.dtype)
+            for name, param in zip(self.names, self.params, strict=True)
+        ]
+
+    def tensors(
+        self, gather: Gather, scaled: bool, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each layer's A then B in peft's saved names, gathered one at a time. ``scaled``: B
+        times the layer's scaling (alpha / rank), so a receiver applies ``B @ A`` as it is,
+        whatever alpha was (refits); unscaled is what peft saves (exports)."""
+        params, names = self.params, self.names
+        for i, scaling in enumerate(self.scalings):
+            a, b = gather(params[2 * i]), gather(params[2 * i + 1])
+            if scaled:
+                b = b * scaling
+            for name, tensor in ((names[2 * i], a), (names[2 * i + 1], b)):
+                yield name, tensor if dtype is None else tensor.to(dtype)
+
+    def scaled_copy(
+        self, device: torch.device, dtype: torch.dtype | None = None
+    ) -> list[tuple[str, torch.Tensor]] | None:
+        """What ``tensors(scaled=True)`` yields, in a handful of kernels, when the parameters
+        lie back to back on ``device`` in stream order (``tensors.pack_parameters``; onload keeps
+        them so): one copy of their span, one fused multiply of the B's, one cast (when
+        ``dtype`` differs), instead of a copy and a multiply per tensor. The results are views of
+        one new allocation. None when they do not lie so (FSDP2 shards, another layout)."""
+        found = span(self.params)
+        if found is None or found[0].device != device:
+            return None
+        flat, offsets = found
+        out = flat.clone()
+        views = _views(out, self.params, offsets)
+        torch._foreach_mul_(views[1::2], self.scalings)
+        if dtype is not None and dtype != out.dtype:  # scaled first, as ``tensors``: one rounding
+            views = _views(out.to(dtype), self.params, offsets)
+        return list(zip(self.names, views, strict=True))
 
 
-def adapter_tensors(
-    lm: nn.Module, gather: Gather, scaled: bool, dtype: torch.dtype | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each layer's A then B in peft's saved names. ``scaled``: B times the layer's scaling
-    (alpha / rank), so a receiver applies ``B @ A`` as it is, whatever alpha was (refits);
-    unscaled is what peft saves (exports)."""
-    for name, layer in lora_layers(lm).items():
-        a = gather(layer.lora_A[ADAPTER].weight)
-        b = gather(layer.lora_B[ADAPTER].weight)
-        if scaled:
-            b = b * layer.scaling[ADAPTER]
-        for kind, tensor in (("lora_A", a), ("lora_B", b)):
-            yield adapter_name(name, kind), tensor if dtype is None else tensor.to(dtype)
+def _views(flat: torch.Tensor, like: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped as ``like``, starting at ``offsets`` (elements)."""
+    return [flat.as_strided(t.shape, t.stride(), at) for t, at in zip(like, offsets, strict=True)]
 
 
 def base_name(name: str) -> str | None:

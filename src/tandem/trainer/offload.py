@@ -16,9 +16,10 @@ Host copies are pinned when CUDA is present so transfers run at bus bandwidth; t
 allocator keeps the pinned blocks, so the second and later offloads do not pin again. Onload
 reserves the device memory it needs in one allocation first, so the per-tensor allocations that
 follow are carved from one cached segment instead of one ``cudaMalloc`` each. The parameters are
-carved from one allocation, back to back in order (``tensors.copies.device_copies``): a
-live colocated refit maps that one segment (``weight_sync.cuda_ipc``), and a generator laid out
-alike copies a bucket of them at once.
+carved from one allocation, back to back in order, the trainable ones first
+(``tensors.copies.device_copies``): a live colocated refit maps that one segment
+(``weight_sync.cuda_ipc``), a generator laid out alike copies a bucket of them at once, and a
+LoRA policy's adapters lie together for its adapter refits.
 """
 
 from __future__ import annotations
@@ -199,7 +200,9 @@ def move_module(
         fsdp_params = [fp for fp in fsdp_params if fp.sharded_param.requires_grad]
     if fsdp_params:
         reshard(module)  # a gathered module registers its unsharded parameters instead
-    params = list(_parameters(module, trainable_only))
+    # the trainable ones first, in model order: a LoRA policy's adapters come back back to back
+    # in the order a refit streams them (``lora.Adapters.scaled_copy``)
+    params = sorted(_parameters(module, trainable_only), key=lambda p: not p.requires_grad)
     with torch.no_grad():
         # The parameters' data, from FSDP2's padded shards or the parameters themselves.
         sources: list[torch.Tensor] = [fp._sharded_param_data for fp in fsdp_params]

@@ -30,6 +30,7 @@ from tandem.data.packing import (
     trimmed,
     unpack,
 )
+from tandem.tensors.copies import pack_parameters
 from tandem.tensors.devices import DTYPES, default_device
 from tandem.trainer import lora
 from tandem.trainer.logprobs import LogprobModel
@@ -135,6 +136,12 @@ class PolicyTrainer:
             apply_fsdp(self.model, self.lm, config, self.device)
         else:
             self.model.to(self.device)
+        self.adapters = lora.Adapters(self.lm) if self.peft is not None else None
+        """The LoRA adapters in a refit's order (``lora.Adapters``); None without LoRA."""
+        if self.adapters is not None and not self.uses_fsdp:
+            # back to back in stream order: an adapter refit copies them at once (onload keeps
+            # them so: ``offload.move_module`` lays the trainable parameters out first)
+            pack_parameters(self.adapters.params, self.device)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if trainable:
@@ -333,15 +340,26 @@ class PolicyTrainer:
         self, dtype: torch.dtype | None = None
     ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(name, full shape, dtype) of every tensor ``iter_adapter(dtype)`` yields."""
-        return lora.adapter_metadata(self.lm, dtype)
+        return self._adapters().metadata(dtype)
+
+    def _adapters(self) -> lora.Adapters:
+        if self.adapters is None:
+            raise ValueError("this policy has no LoRA adapters (policy.lora is unset)")
+        return self.adapters
 
     def iter_adapter(
         self, dtype: torch.dtype | None = None, scaled: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The LoRA adapters in peft's saved names (``lora.adapter_tensors``; ``scaled``: B
-        times alpha / rank), gathered one at a time; as ``iter_weights``, only rank 0 yields."""
+        """The LoRA adapters in peft's saved names (``lora.Adapters.tensors``; ``scaled``: B
+        times alpha / rank), gathered one at a time; as ``iter_weights``, only rank 0 yields.
+        Scaled on a plain module: copied at once (``lora.Adapters.scaled_copy``)."""
         self._require_resident("iter_adapter")
-        for name, tensor in lora.adapter_tensors(self.lm, self._gather, scaled, dtype):
+        adapters = self._adapters()
+        copied = None
+        if scaled and not self.uses_fsdp:
+            copied = adapters.scaled_copy(self.device, dtype)
+        stream = adapters.tensors(self._gather, scaled, dtype) if copied is None else copied
+        for name, tensor in stream:
             if self.rank == 0:
                 yield name, tensor
 

@@ -1,0 +1,145 @@
+"""Adapter refits of a many-layer LoRA policy (28 layers, adapters on all 7 projections: 392
+tensors) on CPU: a handful of kernels however many tensors, the same values as the per-tensor
+stream, and a transformers generator that then generates as one loaded from the merged weights.
+
+Kernels are counted at the dispatcher (``TorchDispatchMode``): every aten call that reads or
+writes tensor data, which a GPU launches as (at least) one kernel; views and allocations are
+left out."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lora_support import MERGED_ATOL, PROMPTS, encode, lora_policy, train_batch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tandem.algorithms.losses import nll_loss
+from tandem.assets import write_random_qwen2
+from tandem.cluster.actors import GeneratorWorker, TrainerWorker
+from tandem.config.models import GenerationConfig, RefitConfig
+from tandem.generation import SamplingParams
+from tandem.tensors import span
+from tandem.trainer import PolicyTrainer
+
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=28,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
+NUM_ADAPTERS = 28 * 7 * 2
+NO_DATA = {"empty", "empty_like", "empty_strided", "set_", "lift_fresh"}
+"""Aten calls that are not views yet touch no tensor data."""
+
+
+class Kernels(TorchDispatchMode):
+    """Counts the aten calls that read or write tensor data, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if not func.is_view and name not in NO_DATA:
+            self.calls[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_qwen2(tmp_path_factory.mktemp("lora") / "model", SHAPE)
+
+
+def _policy(model: Path, **lora: Any) -> Any:
+    return lora_policy(rank=8, **lora).model_copy(update={"model_path": model})
+
+
+def _workers(model: Path, dtype: str = "float32") -> tuple[TrainerWorker, GeneratorWorker]:
+    generation = GenerationConfig(backend="hf", dtype=dtype)  # type: ignore[arg-type]
+    refit = RefitConfig(transport="colocated", lora="adapter")
+    trainer = TrainerWorker(_policy(model), refit, generation)
+    return trainer, GeneratorWorker(generation, str(model))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_adapter_refit_of_392_tensors_is_a_handful_of_kernels(model: Path, dtype: str) -> None:
+    """The trainer copies its adapters at once and scales the B's in one fused call (and casts
+    them in one), the generator copies them into its layers at once: where a copy and a
+    multiply per tensor took 588 calls (980 with the cast)."""
+    trainer, generator = _workers(model, dtype)
+    generator.load_weights(trainer.weight_stream(), 1)  # the first injects peft's layers
+    trainer.train(train_batch(), nll_loss)
+    sent = dict(trainer.weight_stream())
+    assert len(sent) == NUM_ADAPTERS
+    with Kernels() as kernels:
+        generator.load_weights(trainer.weight_stream(), 2)
+    cast = dtype != "float32"
+    assert kernels.calls == Counter(
+        {"clone": 1, "_foreach_mul_": 1, "copy_": 1} | ({"_to_copy": 1} if cast else {})
+    )
+    loaded = generator.generator.adapter
+    for name, tensor in sent.items():
+        assert torch.equal(loaded._params[name], tensor), name
+    assert span(list(loaded._params.values())) is not None  # laid out in the stream's order
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_the_scaled_copy_is_the_per_tensor_stream_bit_for_bit(
+    model: Path, dtype: torch.dtype | None
+) -> None:
+    """``Adapters.scaled_copy`` gives what scaling and casting each tensor gives; a parameter
+    moved out of the layout sends the refit through the per-tensor stream, with the same
+    values."""
+    trainer = PolicyTrainer(_policy(model))
+    trainer.train(train_batch(), nll_loss)
+    adapters = trainer.adapters
+    assert adapters is not None and len(adapters.names) == NUM_ADAPTERS
+    copied = adapters.scaled_copy(trainer.device, dtype)
+    assert copied is not None
+    each = list(adapters.tensors(lambda t: t, scaled=True, dtype=dtype))
+    assert [name for name, _ in copied] == [name for name, _ in each]
+    for (name, got), (_, want) in zip(copied, each, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert any(not torch.equal(t, 0 * t) for name, t in copied if "lora_B" in name)
+    # one parameter moved to an allocation of its own (as peft's own layers hold them)
+    moved = adapters.params[5]
+    torch.utils.swap_tensors(moved, torch.nn.Parameter(moved.detach().clone()))
+    assert adapters.scaled_copy(trainer.device, dtype) is None
+    streamed = list(trainer.iter_adapter(dtype))
+    for (name, got), (_, want) in zip(streamed, each, strict=True):
+        assert torch.equal(got, want), name
+
+
+def test_an_adapter_refit_generates_as_the_merged_weights_do(model: Path, tmp_path: Path) -> None:
+    """A generator refitted with the adapters and one loaded from the merged export sample the
+    same tokens (seeded) with logprobs within the merged rounding (``MERGED_ATOL``)."""
+    trainer, adapted = _workers(model)
+    for _ in range(2):
+        trainer.train(train_batch(), nll_loss)
+    adapted.load_weights(trainer.weight_stream(), 1)
+    trainer.export_hf(str(tmp_path / "merged"), merged=True)
+    merged = GeneratorWorker(GenerationConfig(backend="hf"), str(tmp_path / "merged"))
+    base = GeneratorWorker(GenerationConfig(backend="hf"), str(model))
+    prompts = [encode(p) for p in PROMPTS]
+    sampling = SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=3)
+    ours, theirs, before = (g.generate(prompts, sampling) for g in (adapted, merged, base))
+    assert [r.response_token_ids for r in ours] == [r.response_token_ids for r in theirs]
+    gaps = [
+        abs(a - b)
+        for x, y in zip(ours, theirs, strict=True)
+        for a, b in zip(x.response_logprobs, y.response_logprobs, strict=True)
+    ]
+    assert max(gaps) <= MERGED_ATOL
+    # the adapters do move the model: other tokens, or the same ones at other logprobs
+    assert any(
+        x.response_token_ids != y.response_token_ids
+        or max(abs(a - b) for a, b in zip(x.response_logprobs, y.response_logprobs, strict=True))
+        > 1e-3
+        for x, y in zip(ours, before, strict=True)
+    )
