@@ -3,9 +3,10 @@ a generation, offload/onload, device memory per phase.
 
 For each mode it builds a ``TrainerWorker`` and a transformers ``GeneratorWorker`` in this
 process on a random model of a real Qwen2.5 shape (``tandem.assets.real_shapes``, the
-151,936-token vocabulary), bf16 weights, and times ``--steps`` rounds of: a train step on random
-tokens, a refit (the in-process copy: the trainer's weight stream loaded by the generator), a
-generation (``--gen-prompts`` x ``--gen-tokens``), the trainer's offload and onload. Modes:
+151,936-token vocabulary), bf16 weights (the generator's too, as a run resolves them), and
+times ``--steps`` rounds of: a train step on random tokens, a refit (the in-process copy: the
+trainer's weight stream loaded by the generator), a generation (``--gen-prompts`` x
+``--gen-tokens``), the trainer's offload and onload. Modes:
 
 - ``full``: every weight trains; the refit sends every weight;
 - ``lora``: rank ``--rank`` adapters (alpha 2 x rank) on every linear projection, the base
@@ -43,8 +44,15 @@ from ceilings import emit
 from tandem.algorithms.losses import nll_loss
 from tandem.assets.real_shapes import write_real_shape
 from tandem.cluster.actors import GeneratorWorker, TrainerWorker
+from tandem.cluster.launch import keep_freed_host_memory
 from tandem.config.lora import LoraConfig
-from tandem.config.models import GenerationConfig, OptimizerConfig, PolicyConfig, RefitConfig
+from tandem.config.models import (
+    GenerationConfig,
+    OptimizerConfig,
+    PolicyConfig,
+    RefitConfig,
+    generator_dtype,
+)
 from tandem.data.batch import TrainBatch
 from tandem.generation.base import SamplingParams
 
@@ -154,6 +162,9 @@ def run_mode(model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]
         lora=lora,
     )
     generation = GenerationConfig(backend="hf", max_lora_rank=args.rank if lora else None)
+    # the generator computes in the dtype a run gives it (the trainer's: bfloat16), so a refit
+    # copies without a cast, as in a run (``launch.resolved_generation``)
+    generation = generation.model_copy(update={"dtype": generator_dtype(policy, generation)})
     refit = RefitConfig(
         transport="colocated", lora="merged" if mode == "lora_merged" else "adapter"
     )
@@ -203,6 +214,8 @@ def main() -> None:
         args.shape, args.layers, args.batch, args.micro_batch = "0.5b", 1, 2, 2
         args.seq, args.steps, args.gen_prompts, args.gen_tokens = 32, 2, 2, 4
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":  # as a run's CPU process: freed host memory is reused, not faulted in
+        keep_freed_host_memory()
     with tempfile.TemporaryDirectory() as tmp:
         model = write_real_shape(
             Path(tmp) / "model", args.shape, num_layers=args.layers, device=device

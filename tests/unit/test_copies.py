@@ -135,8 +135,9 @@ def test_copy_tensors_out_of_a_packed_bucket_into_a_laid_out_model() -> None:
 
 
 def test_copy_tensors_fuses_small_copies_and_still_copies_every_pair() -> None:
-    """Small same-dtype pairs go through ``_foreach_copy_`` (grouped by dtype); large ones,
-    casts and strided destinations through ``copy_``: every destination ends up equal."""
+    """Small pairs go through ``_foreach_copy_`` (grouped by their pair of dtypes: a cast is a
+    group of its own), strided destinations too; large ones through ``copy_``: every
+    destination ends up equal."""
     gen = torch.Generator().manual_seed(0)
     big = FOREACH_MAX_BYTES // 4 + 1  # fp32 elements: one byte over the fused limit
     srcs = [
@@ -155,12 +156,18 @@ def test_copy_tensors_fuses_small_copies_and_still_copies_every_pair() -> None:
         torch.zeros(6, dtype=torch.int64),
         torch.zeros(7, 5, dtype=torch.bfloat16).t(),  # strided destination
     ]
-    # the large one and the cast alone; the rest in one fused launch per dtype (bf16, f32, i64)
-    assert copy_tensors(dsts, srcs) == 2 + 3
+    # the large one alone; the rest in one fused launch per pair of dtypes (bf16, f32, i64, and
+    # f32 into bf16)
+    assert copy_tensors(dsts, srcs) == 1 + 4
     for dst, src in zip(dsts, srcs, strict=True):
         assert torch.equal(dst, src.to(dst.dtype))
     with pytest.raises(ValueError):
         copy_tensors(dsts, srcs[:-1])
+    # casts of one pair of dtypes share a launch
+    casts = [torch.zeros(3, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.bfloat16)]
+    values = [torch.randn(3, generator=gen), torch.randn(2, 2, generator=gen)]
+    assert copy_tensors(casts, values) == 1
+    assert all(torch.equal(c, v.to(torch.bfloat16)) for c, v in zip(casts, values, strict=True))
 
 
 def test_target_runs_copy_ranges_of_destinations_out_of_packed_bytes() -> None:

@@ -155,23 +155,24 @@ def copy_tensors(
     fused_max_bytes: int = FOREACH_MAX_BYTES,
 ) -> int:
     """``dst.copy_(src)`` for every pair, in few launches: a run of pairs back to back on both
-    sides (``coalesce``) is one byte copy; the single pairs up to ``fused_max_bytes`` of one
-    dtype and device go through one fused launch per group; the rest get a copy each. Returns
-    the number of launches.
+    sides (``coalesce``) is one byte copy; the single pairs up to ``fused_max_bytes`` on one
+    device go through one fused launch per pair of dtypes (a cast too: a generator that computes
+    in another dtype than the trainer's); the rest get a copy each. Returns the number of
+    launches.
 
     A byte copy writes the destination's storage directly, so autograd's version counter of the
     destination does not move: this is for weights being replaced, not for tensors a backward
     pass still needs."""
-    fused: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]]
-    fused = {}
+    Group = tuple[list[torch.Tensor], list[torch.Tensor]]
+    fused: dict[tuple[torch.dtype, torch.dtype, torch.device], Group] = {}
     launches = 0
     for run in coalesce(dsts, srcs):
         dst, src = dsts[run.start], srcs[run.start]
         if len(run) > 1:
             num_bytes = sum(dsts[i].nbytes for i in run)
             _byte_range(dst, num_bytes).copy_(_byte_range(src, num_bytes))
-        elif dst.nbytes <= fused_max_bytes and dst.dtype == src.dtype and dst.device == src.device:
-            group = fused.setdefault((dst.dtype, dst.device), ([], []))
+        elif dst.nbytes <= fused_max_bytes and dst.device == src.device:
+            group = fused.setdefault((dst.dtype, src.dtype, dst.device), ([], []))
             group[0].append(dst)
             group[1].append(src)
             continue
