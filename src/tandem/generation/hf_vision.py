@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from tandem.data.images import RowImages, distinct_rows, is_vision_model, vision_inputs
+from tandem.vision_attention import batch_vision_windows
 
 
 class ImagePrefill:
@@ -81,6 +82,8 @@ def load_generation_model(model_path: str, dtype: torch.dtype) -> Any:
     ``AutoModelForImageTextToText``, any other through ``AutoModelForCausalLM``."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    vision = is_vision_model(Path(model_path))
-    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    return auto.from_pretrained(model_path, dtype=dtype)
+    if not is_vision_model(Path(model_path)):
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype)
+    batch_vision_windows(model)  # the tower's windows in one attention call per length
+    return model

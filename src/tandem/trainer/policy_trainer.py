@@ -44,6 +44,7 @@ from tandem.trainer.parallelize import (
 )
 from tandem.trainer.schedule import build_optimizer
 from tandem.trainer.weights import full_tensor, hf_state
+from tandem.vision_attention import batch_vision_windows
 
 
 def shared_prompt_cost(lm: Any) -> float | None:
@@ -79,7 +80,9 @@ def _load_lm(config: PolicyConfig) -> Any:
     if is_vision_model(path):
         from transformers import AutoModelForImageTextToText
 
-        return AutoModelForImageTextToText.from_pretrained(str(path), dtype=DTYPES[config.dtype])
+        lm = AutoModelForImageTextToText.from_pretrained(str(path), dtype=DTYPES[config.dtype])
+        batch_vision_windows(lm)  # the tower's windows in one attention call per length
+        return lm
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[config.dtype])
 
 
