@@ -19,7 +19,9 @@ trainer's weight stream loaded by the generator), a generation (``--gen-prompts`
 
 One JSON line per mode (medians of the rounds after the first; device bytes per phase: the
 trainer's and the generator's at build, the peaks of train, refit and generation, allocated
-after the trainer's offload and the trainer's share of it), then one line of each LoRA mode's
+after the trainer's offload and the trainer's share of it; ``refit_data_calls``: the aten calls
+that touch tensor data in one refit, a kernel launch or more each on a GPU, counted in one more
+refit after the timed ones), then one line of each LoRA mode's
 ratios to ``full`` with the goals (refit time <= 5 %, bytes <= 2 % of the full refit's).
 ``--tiny`` is a CPU check of the whole script on a one-layer 0.5B shape. Lines also go to
 $BENCH_JSONL when set.
@@ -40,6 +42,7 @@ from typing import Any
 
 import torch
 from ceilings import emit
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.algorithms.losses import nll_loss
 from tandem.assets.real_shapes import write_real_shape
@@ -105,6 +108,29 @@ def _counted(stream: Any, sent: list[int]) -> Any:
     for name, tensor in stream:
         sent[0] += tensor.numel() * tensor.element_size()
         yield name, tensor
+
+
+class _DataCalls(TorchDispatchMode):
+    """Counts the aten calls that read or write tensor data, of which a GPU launches at least
+    one kernel each (views and allocations left out)."""
+
+    NO_DATA = frozenset({"empty", "empty_like", "empty_strided", "set_", "lift_fresh"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not func.is_view and func.overloadpacket.__name__ not in self.NO_DATA:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _refit_data_calls(trainer: TrainerWorker, generator: GeneratorWorker, version: int) -> int:
+    """The data calls of one more refit (untimed: counting slows the calls down)."""
+    with _DataCalls() as calls:
+        generator.load_weights(trainer.weight_stream(), version)
+    return calls.count
 
 
 def _measure(
@@ -175,6 +201,7 @@ def run_mode(model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]
     generator = GeneratorWorker(generation, str(model))
     resident = _allocated()
     figures = _measure(trainer, generator, args)
+    data_calls = _refit_data_calls(trainer, generator, args.steps + 1)
     trained = sum(p.numel() for p in trainer.policy.model.parameters() if p.requires_grad)
     generator.shutdown()
     out: dict[str, Any] = {
@@ -182,6 +209,7 @@ def run_mode(model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]
         "mode": mode,
         "rank": args.rank if lora else None,
         "trainable_params": trained,
+        "refit_data_calls": data_calls,
         "resident_bytes_trainer_and_generator": resident,
         "trainer_bytes_at_build": built - before,
         "generator_bytes_at_load": resident - built,

@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 from ceilings import QWEN_1P5B, QWEN_8B, emit, measure_ceilings, qwen2_config
 
 from tandem.tensors import TargetRuns, copy_tensors, device_copies
-from tandem.trainer.offload import reserve_segment
+from tandem.tensors.devices import reserve_segment
 from tandem.weight_sync import TensorMeta, make_receiver, make_sender
 
 SHAPES = {"1.5b": QWEN_1P5B, "8b": QWEN_8B}

@@ -24,3 +24,10 @@ def release_device_caches() -> None:
     if clear is not None:
         clear()
     torch.cuda.empty_cache()
+
+
+def reserve_segment(device: torch.device, num_bytes: int) -> None:
+    """Grow the caching allocator by one segment of ``num_bytes``; later allocations split it."""
+    if num_bytes > 0:
+        block = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        del block

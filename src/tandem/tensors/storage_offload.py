@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from tandem.tensors.devices import reserve_segment
+
 
 def attribute_tensors(owner: Any) -> list[torch.Tensor]:
     """Tensors ``owner`` holds as attributes, directly or in lists (two levels deep): what an
@@ -106,6 +108,8 @@ class StorageOffload:
             return
         pin = self.device.type == "cuda"
         start = time.perf_counter()
+        if pin:  # one device allocation the storages are then carved from, not one each
+            reserve_segment(self.device, self.nbytes + sum(self.discarded_sizes))
         for holder, size in zip(self.holders, self.sizes, strict=True):
             holder.untyped_storage().resize_(size)
         for holder, size in zip(self.discarded, self.discarded_sizes, strict=True):

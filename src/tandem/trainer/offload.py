@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from tandem.tensors.copies import device_copies
-from tandem.tensors.devices import release_device_caches
+from tandem.tensors.devices import release_device_caches, reserve_segment
 from tandem.trainer.parallelize import reshard
 
 try:
@@ -251,13 +251,6 @@ def _host_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> i
     if optimizer is not None:
         tensors += [_local(v) for v, _, beside in _optimizer_tensors(optimizer) if beside]
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cpu")
-
-
-def reserve_segment(device: torch.device, num_bytes: int) -> None:
-    """Grow the caching allocator by one segment of ``num_bytes``; later allocations split it."""
-    if num_bytes > 0:
-        block = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-        del block
 
 
 def move_state(
