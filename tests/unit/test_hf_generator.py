@@ -497,8 +497,9 @@ def test_weights_leave_for_the_host_and_come_back_as_the_same_objects(
     moved = generator._weights_to_host()
     assert moved.nbytes >= sum(p.numel() * p.element_size() for p in generator.model.parameters())
     assert all(p.untyped_storage().nbytes() == 0 for p in generator.model.parameters())
-    moved.onload()
-    assert [id(p) for p in generator.model.parameters()] == objects
+    generator._asleep = moved  # as sleep() leaves it: generate wakes it first
     again = generator.generate(ids, params)
+    assert generator._asleep is None
+    assert [id(p) for p in generator.model.parameters()] == objects
     assert [r.response_token_ids for r in again] == [r.response_token_ids for r in before]
     assert [r.response_logprobs for r in again] == [r.response_logprobs for r in before]

@@ -243,6 +243,7 @@ class HfGenerator(Generator):
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Rollout]:
         if any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("every prompt needs at least one token")
+        self.wake_up()  # asleep (a caller that skipped wake_up): the weights first
         rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(params.n)]
         rollouts: list[Rollout] = []
         for start in range(0, len(rows), self.max_batch_size):
@@ -468,6 +469,7 @@ class HfGenerator(Generator):
     @torch.no_grad()
     def load_weights(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Weights in Hugging Face names, or LoRA adapters (``tandem.adapters``' names)."""
+        self.wake_up()  # never write into storages emptied by sleep
         stream = iter(stream)
         first = next(stream, None)
         if first is None:
@@ -488,6 +490,7 @@ class HfGenerator(Generator):
         out once per plan and kept."""
         from tandem.weight_sync import make_receiver
 
+        self.wake_up()  # never write into storages emptied by sleep
         targets = self._refit_targets
         metas = spec.plan.tensors
         adapter = bool(metas) and is_adapter_name(metas[0].name)
