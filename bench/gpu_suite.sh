@@ -34,7 +34,8 @@ stage scan 60 sh -c "python3 bench/coalesce_scan.py --model 1.5b && python3 benc
 stage timeline 90 sh -c "python3 bench/refit_timeline.py --model 1.5b --bucket-mib 1024 &&
   python3 bench/refit_timeline.py --model 8b --bucket-mib 2048"
 stage megatron 240 python3 bench/megatron_parity.py
-for f in train offload refit breakdown scan timeline megatron; do grep -E "Error|error:" "$OUT/$f.log" | tail -n 3; done
+stage vision 120 python3 bench/vision_windows.py --images 16 --rounds 3
+for f in train offload refit breakdown scan timeline megatron vision; do grep -E "Error|error:" "$OUT/$f.log" | tail -n 3; done
 python3 - "$OUT/figures.jsonl" <<'PY'
 import json, sys
 try:
