@@ -6,8 +6,10 @@ import sys
 import pytest
 import torch
 
+from tandem.tensors import device_copies
 from tandem.weight_sync.buckets import (
     ALIGN_BYTES,
+    BucketPacker,
     BucketPlan,
     TensorMeta,
     flat_bytes,
@@ -17,8 +19,11 @@ from tandem.weight_sync.buckets import (
 )
 
 
-def _roundtrip(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> tuple[BucketPlan, dict]:
-    """Pack every bucket of the plan into one buffer and unpack it, as the transports do."""
+def _roundtrip(
+    tensors: dict[str, torch.Tensor], bucket_bytes: int, packer: bool = False
+) -> tuple[BucketPlan, dict]:
+    """Pack every bucket of the plan into one buffer and unpack it, as the transports do
+    (``packer``: through a ``BucketPacker``, as a sender does; else piece by piece)."""
     plan = plan_buckets([(n, t.shape, t.dtype) for n, t in tensors.items()], bucket_bytes)
     values = list(tensors.values())
     out: dict[str, torch.Tensor] = {}
@@ -26,9 +31,14 @@ def _roundtrip(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> tuple[Buc
     for bucket in plan.buckets:
         assert bucket.used_bytes <= bucket_bytes
         buffer = torch.full((bucket_bytes,), 0xAB, dtype=torch.uint8)
+        packing = BucketPacker(buffer)
         for piece in bucket.pieces:
             assert piece.bucket_offset % ALIGN_BYTES == 0
-            pack_piece(buffer, piece, values[piece.tensor_index])
+            if packer:
+                packing.add(piece, values[piece.tensor_index])
+            else:
+                pack_piece(buffer, piece, values[piece.tensor_index])
+        packing.flush()
         for index, view in unpack_bucket(buffer, bucket, plan, partial):
             assert view is not None
             out[plan.tensors[index].name] = view.clone()
@@ -60,7 +70,8 @@ def test_one_tensor_per_bucket_when_each_nearly_fills_it() -> None:
     assert [[p.tensor_index for p in b.pieces] for b in plan.buckets] == [[0], [1], [2]]
 
 
-def test_mixed_dtypes_and_scalars_roundtrip_bit_exact() -> None:
+@pytest.mark.parametrize("packer", [False, True])
+def test_mixed_dtypes_and_scalars_roundtrip_bit_exact(packer: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     tensors = {
         "bf16": torch.randn(37, 5, generator=gen).to(torch.bfloat16),
@@ -73,12 +84,17 @@ def test_mixed_dtypes_and_scalars_roundtrip_bit_exact() -> None:
         "f32": torch.randn(3, 7, 11, generator=gen),
         "mask": torch.tensor([True, False, True]),
     }
-    plan, out = _roundtrip(tensors, 2**16)
+    plan, out = _roundtrip(tensors, 2**16, packer)
     assert len(plan.buckets) == 1
     _assert_bit_exact(tensors, out)
+    laid = dict(
+        zip(tensors, device_copies(list(tensors.values()), torch.device("cpu")), strict=True)
+    )
+    _assert_bit_exact(tensors, _roundtrip(laid, 2**16, packer)[1])
 
 
-def test_tensor_larger_than_bucket_is_split_and_reassembled() -> None:
+@pytest.mark.parametrize("packer", [False, True])
+def test_tensor_larger_than_bucket_is_split_and_reassembled(packer: bool) -> None:
     gen = torch.Generator().manual_seed(1)
     tensors = {
         "small": torch.randn(10, generator=gen),
@@ -86,11 +102,59 @@ def test_tensor_larger_than_bucket_is_split_and_reassembled() -> None:
         "huge": torch.randn(50_001, generator=gen),  # 200,004 B: 4 buckets
         "tail": torch.randn(7, generator=gen),
     }
-    plan, out = _roundtrip(tensors, 2**16)
+    plan, out = _roundtrip(tensors, 2**16, packer)
     split = [p for b in plan.buckets for p in b.pieces if not p.is_whole]
     assert {plan.tensors[p.tensor_index].name for p in split} == {"embed", "huge"}
     assert all(p.num_bytes % 2 == 0 for p in split)  # element boundaries
     _assert_bit_exact(tensors, out)
+    laid = dict(
+        zip(tensors, device_copies(list(tensors.values()), torch.device("cpu")), strict=True)
+    )
+    _assert_bit_exact(tensors, _roundtrip(laid, 2**16, packer)[1])
+
+
+def test_a_stream_laid_out_like_its_bucket_packs_in_one_copy() -> None:
+    """Views of one allocation laid out as the bucket lays them out (``device_copies``: the
+    same alignment) pack in one copy, the padding with them; tensors of their own, a strided
+    one, or a piece that does not follow the last in the bucket start a copy of their own."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.count += func.overloadpacket.__name__ == "copy_"
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(2)
+    values = [torch.randn(3, 5, generator=gen), torch.randn(64, generator=gen).bfloat16()]
+    values += [torch.randn(7, generator=gen), torch.randn(9, 4, generator=gen)]
+    plan = plan_buckets([(str(i), v.shape, v.dtype) for i, v in enumerate(values)], 2**16)
+    (bucket,) = plan.buckets
+
+    def pack(
+        tensors: list[torch.Tensor], pieces: tuple = bucket.pieces
+    ) -> tuple[int, torch.Tensor]:
+        buffer = torch.full((2**16,), 0xAB, dtype=torch.uint8)
+        packer = BucketPacker(buffer)
+        with Copies() as copies:
+            for piece in pieces:
+                packer.add(piece, tensors[piece.tensor_index])
+            packer.flush()
+        for piece in pieces:
+            got = buffer[piece.bucket_offset : piece.bucket_offset + piece.num_bytes]
+            assert torch.equal(got, flat_bytes(values[piece.tensor_index]))
+        return copies.count, buffer
+
+    laid = device_copies(values, torch.device("cpu"))
+    assert pack(laid)[0] == 1
+    assert pack(values)[0] == len(values)  # an allocation each
+    strided = [*laid[:3], laid[3].t().contiguous().t()]
+    assert pack(strided)[0] == 2
+    count, buffer = pack(laid, (bucket.pieces[0], bucket.pieces[2]))  # piece 1 not packed here
+    assert count == 2 and bool((buffer[bucket.pieces[1].bucket_offset] == 0xAB).all())
 
 
 def test_empty_stream_has_no_buckets() -> None:

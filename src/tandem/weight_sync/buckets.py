@@ -167,6 +167,59 @@ def pack_piece(buffer: torch.Tensor, piece: Piece, tensor: torch.Tensor) -> None
     dst.copy_(src, non_blocking=True)
 
 
+class BucketPacker:
+    """Packs a bucket's pieces into its buffer, a run of them in one copy: pieces that follow
+    each other in the bucket (only its padding between them) and whose bytes lie the same
+    distances apart in one storage (a stream of views of one buffer laid out like a bucket:
+    ``trainer.lora.Adapters.scaled_copy``) are one range of bytes, the padding copied with them.
+    The open run holds its first tensor, which shares the storage of the others: no more memory
+    stays alive than ``pack_piece`` one at a time keeps. A run is copied when a piece does not
+    continue it, so a stream must not write over a tensor it yielded while it yields the next
+    ones (none of tandem's streams does). ``flush()`` after the last piece."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self._run: tuple[torch.Tensor, int, int, int, int] | None = None
+        """The open run: its first tensor, its source address, its start and end in the bucket,
+        the end of its source storage."""
+
+    def add(self, piece: Piece, tensor: torch.Tensor) -> None:
+        """``piece`` of ``tensor``: into the open run when it continues it, else the open run
+        is copied and ``piece`` opens the next."""
+        if not piece.num_bytes:
+            return
+        if not tensor.is_contiguous():  # a copy of its own (made contiguous on the way)
+            self.flush()
+            pack_piece(self.buffer, piece, tensor)
+            return
+        src = tensor.data_ptr() + piece.tensor_start
+        end = piece.bucket_offset + piece.num_bytes
+        if self._run is not None:
+            first, src_start, start, run_end, limit = self._run
+            follows = run_end <= piece.bucket_offset < run_end + ALIGN_BYTES
+            if (
+                follows
+                and src - src_start == piece.bucket_offset - start
+                and src + piece.num_bytes <= limit
+            ):
+                self._run = (first, src_start, start, end, limit)
+                return
+            self.flush()
+        storage = tensor.untyped_storage()
+        self._run = (tensor, src, piece.bucket_offset, end, storage.data_ptr() + storage.nbytes())
+
+    def flush(self) -> None:
+        """Copy the open run."""
+        if self._run is None:
+            return
+        first, src_start, start, end, _ = self._run
+        storage = first.untyped_storage()
+        raw = torch.empty(0, dtype=torch.uint8, device=first.device)
+        raw.set_(storage, src_start - storage.data_ptr(), (end - start,), (1,))
+        self.buffer[start:end].copy_(raw, non_blocking=True)
+        self._run = None
+
+
 def piece_view(buffer: torch.Tensor, piece: Piece, meta: TensorMeta) -> torch.Tensor:
     """A view of a whole tensor stored in ``buffer`` (no copy)."""
     raw = buffer[piece.bucket_offset : piece.bucket_offset + piece.num_bytes]
