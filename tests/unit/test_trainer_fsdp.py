@@ -13,8 +13,9 @@ import pytest
 import torch
 from test_trainer_support import make_batch, policy, spawn, token_nll, write_tiny_qwen2
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from tandem.trainer import PolicyTrainer
+from tandem.trainer import PolicyTrainer, parallelize, policy_trainer
 from tandem.trainer.offload import _fsdp_params, move_state
 
 # 7 rows: rank 0 gets 5 (3 micro-batches of 2), rank 1 gets 2 (1, padded with 2 fillers)
@@ -196,3 +197,52 @@ def test_one_rank_fsdp_streams_its_shards_without_a_gather(model_dir: Path, tmp_
     assert result["equal_to_gather"]
     assert result["live"] and not result["live_when_offloaded"]
     assert "model.embed_tokens.weight" in result["names"]
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _gathered_or_not(rank: int, world_size: int, model_dir: str, out: str) -> None:
+    """One rank, mixed precision and checkpointing, 4 micro-batches a step: the parameters kept
+    gathered through a step (the default on one rank), then resharded after every forward and
+    backward as on several ranks."""
+    config = policy(
+        Path(model_dir), mixed_precision=True, activation_checkpointing=True, micro_batch_size=2
+    )
+    results = {}
+    for gathered in (True, False):
+        if not gathered:
+            parallelize.stays_gathered = policy_trainer.stays_gathered = lambda *_: False
+        trainer = PolicyTrainer(config, rank, world_size)
+        steps = [trainer.train(make_batch(seed=seed, size=7), token_nll) for seed in range(2)]
+        with _Ops() as ops:
+            trainer.train(make_batch(seed=2, size=7), token_nll)
+        results[gathered] = {
+            "steps": steps,
+            "ops": ops.count,
+            "resharded": all(isinstance(p, DTensor) for p in trainer.lm.parameters()),
+            "logprobs": trainer.logprobs(make_batch(seed=3, size=7)),
+            "weights": {name: t.clone() for name, t in trainer.iter_weights()},
+        }
+    torch.save(results, Path(out) / "gathered.pt")
+
+
+def test_one_rank_keeps_its_parameters_gathered_through_a_step(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    spawn(_gathered_or_not, 1, str(model_dir), str(tmp_path))
+    gathered, resharded = torch.load(tmp_path / "gathered.pt").values()
+    assert gathered["steps"] == resharded["steps"]  # losses, grad norms: the same numbers
+    assert torch.equal(gathered["logprobs"], resharded["logprobs"])
+    for name, tensor in resharded["weights"].items():
+        assert torch.equal(gathered["weights"][name], tensor), name
+    assert gathered["resharded"] and resharded["resharded"]  # nothing stays gathered after it
+    # no gather, cast, reduction a layer and micro-batch: fewer ops for the same step
+    assert gathered["ops"] < resharded["ops"]

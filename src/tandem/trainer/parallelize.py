@@ -31,6 +31,17 @@ def uses_fsdp(config: PolicyConfig, world_size: int) -> bool:
     return world_size > 1 or config.mixed_precision or config.cpu_offload
 
 
+def stays_gathered(config: PolicyConfig, world_size: int) -> bool:
+    """Whether FSDP2 keeps the compute-dtype parameters gathered from the first forward of a
+    step to its end, and reduces the gradients once, after the last micro-batch: one rank,
+    without CPU offload. There a gather is a cast and a copy and a reduction a copy, redone for
+    every layer of every micro-batch (twice a layer with activation checkpointing); kept, the
+    ops are the same numbers (the gradients add up in fp32 in the same order), and the memory
+    is one compute-dtype copy of the model for the step (``PolicyTrainer.train`` reshards
+    after it). Several ranks would each hold the whole model, what FSDP2 exists to avoid."""
+    return world_size == 1 and uses_fsdp(config, world_size) and not config.cpu_offload
+
+
 def init_distributed(rank: int, world_size: int, device: torch.device) -> None:
     """Join the trainers' default process group from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
     (the worker group sets them); a lone rank picks a free local port itself. NCCL on CUDA,
@@ -112,6 +123,9 @@ def apply_fsdp(
     Gradients are summed over ranks, not averaged: losses are normalised by global token or
     sequence counts (see ``tandem.algorithms.losses``), so the per-rank gradients are already
     the addends of the full-batch gradient.
+
+    On one rank (``stays_gathered``) nothing is resharded after a forward or a backward: the
+    gathered parameters stay until the trainer's ``reshard``.
     """
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs: dict = {"mesh": mesh}
@@ -121,22 +135,25 @@ def apply_fsdp(
         )
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    gathered = stays_gathered(config, mesh.size())
     tower = vision_tower(model)
     if tower is not None:  # each vision block, then the rest of the tower (patches, merger)
         blocks: Any = tower.blocks
         for block in blocks:
-            fully_shard(block, **kwargs)
-        fully_shard(tower, **kwargs)
+            fully_shard(block, reshard_after_forward=not gathered, **kwargs)
+        fully_shard(tower, reshard_after_forward=not gathered, **kwargs)
     layers = decoder_layers(model)
     for index, layer in enumerate(layers):
         # the root's backward needs the last layer again right away: keep it gathered
-        fully_shard(layer, reshard_after_forward=index < len(layers) - 1, **kwargs)
+        last = index == len(layers) - 1
+        fully_shard(layer, reshard_after_forward=not (gathered or last), **kwargs)
     fully_shard(root, **kwargs)
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             # plain SUM collectives: gloo has no PREMUL_SUM, NCCL copies SUM zero-copy
             module.set_force_sum_reduction_for_comms(True)
+            module.set_reshard_after_backward(not gathered, recurse=False)
     return mesh
 
 

@@ -40,6 +40,7 @@ from tandem.trainer.parallelize import (
     apply_fsdp,
     init_distributed,
     reshard,
+    stays_gathered,
     uses_fsdp,
 )
 from tandem.trainer.schedule import build_optimizer
@@ -84,6 +85,11 @@ def _load_lm(config: PolicyConfig) -> Any:
         batch_vision_windows(lm)  # the tower's windows in one attention call per length
         return lm
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[config.dtype])
+
+
+def _on(value: Any, device: torch.device) -> torch.Tensor:
+    """A metric (a scalar tensor, or a number) as a tensor on ``device``."""
+    return value if torch.is_tensor(value) else torch.tensor(float(value), device=device)
 
 
 class PolicyTrainer:
@@ -279,7 +285,9 @@ class PolicyTrainer:
 
         Under FSDP2 every micro-batch's backward reduce-scatters its gradients (summed, see
         ``apply_fsdp``). Deferring the sync to the last micro-batch would save communication but
-        keep unsharded gradients of the whole model on every rank: the memory FSDP saves.
+        keep unsharded gradients of the whole model on every rank: the memory FSDP saves. One
+        rank (``parallelize.stays_gathered``) has no other rank: it keeps its parameters
+        gathered and reduces once, after the last micro-batch (the same fp32 sums).
         """
         if self.optimizer is None or self.scheduler is None:
             raise ValueError("this PolicyTrainer was built with trainable=False")
@@ -288,18 +296,11 @@ class PolicyTrainer:
         mask = batch.loss_mask
         counts = torch.tensor([mask.sum().item(), (mask.sum(-1) > 0).sum().item()])
         num_tokens, num_sequences = self._all_reduce(counts.double()).tolist()
-        sums: dict[str, torch.Tensor] = {}
         # Every micro-batch on the device before the first forward, and the metrics summed
         # there: a copy from pageable host memory (either way) waits for the device's queue to
         # drain, which once per micro-batch kept the host from queueing ahead.
-        for mb in [self._on_device(mb) for mb, _ in self._micro_batches(batch)]:
-            logprobs, entropy = self._forward(mb, with_entropy)
-            extra = {"entropy": entropy} if with_entropy else {}
-            loss, metrics = loss_fn(logprobs, mb.batch, num_tokens, num_sequences, **extra)
-            loss.backward()
-            for key, value in {**metrics, "loss": loss}.items():
-                amount = value.detach() if torch.is_tensor(value) else torch.tensor(float(value))
-                sums[key] = amount.double() + sums.get(key, 0.0)
+        micro_batches = [self._on_device(mb) for mb, _ in self._micro_batches(batch)]
+        sums = self._accumulate(micro_batches, loss_fn, num_tokens, num_sequences, with_entropy)
         lr = float(self.scheduler.get_last_lr()[0])
         grad_norm = self._clip_gradients()
         if math.isfinite(grad_norm):
@@ -308,7 +309,7 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         keys = sorted(sums)
-        reduced = self._all_reduce(torch.stack([sums[k].cpu() for k in keys]))
+        reduced = self._all_reduce(torch.stack([sums[k] for k in keys]).cpu())
         out = {k: float(v) for k, v in zip(keys, reduced.tolist(), strict=True)}
         out.update(
             grad_norm=grad_norm,
@@ -318,6 +319,41 @@ class PolicyTrainer:
             skipped_step=float(not math.isfinite(grad_norm)),
         )
         return out
+
+    def _accumulate(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: LossFn,
+        num_tokens: float,
+        num_sequences: float,
+        with_entropy: bool,
+    ) -> dict[str, torch.Tensor]:
+        """Forward and backward of every micro-batch; the loss and ``loss_fn``'s metrics summed
+        over them (float64, on the device: one stack, cast and add a micro-batch)."""
+        gathered = stays_gathered(self.config, self.world_size)
+        root: Any = self.model  # an FSDPModule when gathered
+        totals: dict[tuple[str, ...], torch.Tensor] = {}
+        try:
+            for index, mb in enumerate(micro_batches):
+                if gathered:  # one reduction, after the last micro-batch
+                    root.set_requires_gradient_sync(index == len(micro_batches) - 1)
+                logprobs, entropy = self._forward(mb, with_entropy)
+                extra = {"entropy": entropy} if with_entropy else {}
+                loss, metrics = loss_fn(logprobs, mb.batch, num_tokens, num_sequences, **extra)
+                loss.backward()
+                named = {**metrics, "loss": loss}
+                keys = tuple(sorted(named))
+                with torch.no_grad():
+                    values = torch.stack([_on(named[k], loss.device) for k in keys]).double()
+                totals[keys] = values + totals[keys] if keys in totals else values
+        finally:
+            if gathered:  # the step changes the sharded parameters: gather them anew
+                reshard(self.model)
+        sums: dict[str, torch.Tensor] = {}
+        for keys, values in totals.items():
+            for key, value in zip(keys, values.unbind(), strict=True):
+                sums[key] = value + sums[key] if key in sums else value
+        return sums
 
     def _clip_gradients(self) -> float:
         """Global gradient norm (over all shards), clipped to ``max_grad_norm`` when set."""
