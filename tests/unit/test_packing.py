@@ -171,7 +171,7 @@ def loss_and_grads(
     num_tokens = float(batch.loss_mask.sum())
     total = 0.0
     for mb, _ in trainer._micro_batches(batch):
-        logprobs, _ = trainer._forward(mb, with_entropy=False)
+        logprobs, _ = trainer._forward(trainer._on_device(mb), with_entropy=False)
         loss, _ = token_nll(logprobs, mb.batch, num_tokens, float(batch.num_sequences))
         loss.backward()
         total += float(loss.detach())

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import transformers
 from test_trainer_support import make_batch, policy, token_nll, write_tiny_qwen2
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.config.models import OptimizerConfig
 from tandem.data.batch import TrainBatch
@@ -181,3 +184,39 @@ def test_schedules() -> None:
     assert lrs(None, schedule="linear", total_steps=20)[10] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="total_steps"):
         lrs(None, schedule="cosine")
+
+
+class _ValueReads(TorchDispatchMode):
+    """Records where tandem's own code reads tensor values on the host (``.item()``, ``bool``,
+    a boolean index): on a GPU each waits for the device's queue to drain."""
+
+    READS = ("aten._local_scalar_dense", "aten.nonzero")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        boolean_index = str(func.overloadpacket) == "aten.index" and any(
+            t is not None and t.dtype == torch.bool for t in args[1]
+        )
+        if str(func.overloadpacket) in self.READS or boolean_index:
+            # the innermost caller outside torch (transformers' own reads are not ours)
+            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+            innermost = frames[-1]
+            if "/src/tandem/" in innermost.filename:
+                self.sites.append(f"{innermost.name}:{innermost.lineno}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_micro_batch_loop_reads_no_device_values(model_dir: Path, packing: bool) -> None:
+    trainer = PolicyTrainer(policy(model_dir, micro_batch_size=3, packing=packing))
+    batch = make_batch(size=7)
+    placed = [trainer._on_device(mb) for mb, _ in trainer._micro_batches(batch)]
+    assert any(p.mb.packed is not None for p in placed) == packing
+    num_tokens = float(batch.num_tokens)
+    with _ValueReads() as reads:
+        sums = trainer._accumulate(placed, token_nll, num_tokens, 7.0, False)
+    assert reads.sites == []
+    assert set(sums) == {"loss", "tokens_seen"}

@@ -160,9 +160,11 @@ class LogprobModel(nn.Module):
         sources: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         images: RowImages | None = None,
+        causal: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A right-padded ``attention_mask`` only zeroes the padding's outputs: the model runs
-        causal without it (``right_padded``).
+        causal without it (``right_padded``; ``causal``: the caller's answer, found on the host,
+        where the check of a device mask would wait for the device).
 
         Packed layouts (``tandem.data.packing``) pass their ``position_ids``, their 4D
         ``attention_mask`` or None (block-diagonal from positions that restart), and the
@@ -174,9 +176,9 @@ class LogprobModel(nn.Module):
         tokens, multimodal positions (``data.images.vision_inputs``); ``images``: the rows'."""
         lm: Any = self.lm  # a Hugging Face PreTrainedModel
         if sources is None:
-            body_mask = (
-                None if attention_mask is None or right_padded(attention_mask) else attention_mask
-            )
+            if attention_mask is not None and causal is None:
+                causal = right_padded(attention_mask)
+            body_mask = None if attention_mask is None or causal else attention_mask
         else:
             body_mask = attention_mask
         if hasattr(lm.model, "visual"):

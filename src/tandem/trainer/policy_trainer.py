@@ -33,7 +33,7 @@ from tandem.data.packing import (
 from tandem.tensors.copies import pack_parameters
 from tandem.tensors.devices import DTYPES, default_device
 from tandem.trainer import lora
-from tandem.trainer.logprobs import LogprobModel
+from tandem.trainer.logprobs import LogprobModel, right_padded
 from tandem.trainer.offload import HostPool, move_state, offload_bytes
 from tandem.trainer.parallelize import (
     apply_activation_checkpointing,
@@ -85,6 +85,19 @@ def _load_lm(config: PolicyConfig) -> Any:
         batch_vision_windows(lm)  # the tower's windows in one attention call per length
         return lm
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[config.dtype])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placed:
+    """A micro-batch on the device (``PolicyTrainer._on_device``)."""
+
+    mb: MicroBatch
+    causal: bool
+    """Right-padded: the model runs causal without its mask (``logprobs.right_padded``)."""
+    sources: torch.Tensor | None
+    """Packed: the flat positions whose hidden states predict the valid tokens."""
+    targets: torch.Tensor | None
+    """Packed: those tokens."""
 
 
 def _on(value: Any, device: torch.device) -> torch.Tensor:
@@ -209,36 +222,44 @@ class PolicyTrainer:
         filler_mb = MicroBatch(torch.tensor([0]), filler)
         return local + [(filler_mb, False)] * (most - len(local))
 
-    def _on_device(self, mb: MicroBatch) -> MicroBatch:
-        """``mb`` with its tensors on the device (``rows`` stay on the host)."""
+    def _on_device(self, mb: MicroBatch) -> _Placed:
+        """``mb`` with its tensors on the device (``rows`` stay on the host), and what its
+        forward derives from them found on the host first: whether it is right-padded, a packed
+        layout's scored positions and their tokens (a check or a boolean index of device
+        tensors waits for the device, which kept the host from queueing micro-batches ahead)."""
         packed = mb.packed
-        if packed is not None:
-            moved: dict[str, Any] = {}
-            for field in dataclasses.fields(packed):
-                value = getattr(packed, field.name)
-                moved[field.name] = None if value is None else value.to(self.device)
-            packed = dataclasses.replace(packed, **moved)
-        return MicroBatch(mb.rows, mb.batch.to(self.device), packed)
+        if packed is None:
+            causal = right_padded(mb.batch.attention_mask)
+            return _Placed(MicroBatch(mb.rows, mb.batch.to(self.device)), causal, None, None)
+        sources = packed.sources[packed.valid].to(self.device)
+        targets = mb.batch.input_ids[packed.valid].to(self.device)
+        moved: dict[str, Any] = {}
+        for field in dataclasses.fields(packed):
+            value = getattr(packed, field.name)
+            moved[field.name] = None if value is None else value.to(self.device)
+        packed = dataclasses.replace(packed, **moved)
+        placed = MicroBatch(mb.rows, mb.batch.to(self.device), packed)
+        return _Placed(placed, False, sources, targets)
 
-    def _forward(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, placed: _Placed, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Token logprobs and entropies ``[b, T]`` of the micro-batch's (trimmed) layout."""
+        mb = placed.mb
         if mb.packed is None:
-            images = mb.batch.images
             return self.model(
-                mb.batch.input_ids.to(self.device),
-                mb.batch.attention_mask.to(self.device),
+                mb.batch.input_ids,
+                mb.batch.attention_mask,
                 with_entropy=with_entropy,
-                images=None if images is None else images.to(self.device),
+                images=mb.batch.images,
+                causal=placed.causal,
             )
         packed = mb.packed
-        valid = packed.valid
         logprobs, entropy = self.model(
-            packed.input_ids.to(self.device),
-            None if packed.attention_mask is None else packed.attention_mask.to(self.device),
+            packed.input_ids,
+            packed.attention_mask,
             with_entropy=with_entropy,
-            position_ids=packed.position_ids.to(self.device),
-            sources=packed.sources[valid].to(self.device),
-            targets=mb.batch.input_ids[valid].to(self.device),
+            position_ids=packed.position_ids,
+            sources=placed.sources,
+            targets=placed.targets,
         )
         return unpack(logprobs, packed), unpack(entropy, packed)
 
@@ -252,7 +273,7 @@ class PolicyTrainer:
         shape = tuple(batch.input_ids.shape)
         out, ent = torch.zeros(shape), torch.zeros(shape)
         for mb, real in self._micro_batches(batch):
-            logprobs, entropy = self._forward(mb, with_entropy)
+            logprobs, entropy = self._forward(self._on_device(mb), with_entropy)
             if real:
                 width = logprobs.shape[1]
                 out[mb.rows, :width] = logprobs.float().cpu()
@@ -322,7 +343,7 @@ class PolicyTrainer:
 
     def _accumulate(
         self,
-        micro_batches: list[MicroBatch],
+        micro_batches: list[_Placed],
         loss_fn: LossFn,
         num_tokens: float,
         num_sequences: float,
@@ -334,12 +355,13 @@ class PolicyTrainer:
         root: Any = self.model  # an FSDPModule when gathered
         totals: dict[tuple[str, ...], torch.Tensor] = {}
         try:
-            for index, mb in enumerate(micro_batches):
+            for index, placed in enumerate(micro_batches):
                 if gathered:  # one reduction, after the last micro-batch
                     root.set_requires_gradient_sync(index == len(micro_batches) - 1)
-                logprobs, entropy = self._forward(mb, with_entropy)
+                logprobs, entropy = self._forward(placed, with_entropy)
                 extra = {"entropy": entropy} if with_entropy else {}
-                loss, metrics = loss_fn(logprobs, mb.batch, num_tokens, num_sequences, **extra)
+                counts = (num_tokens, num_sequences)
+                loss, metrics = loss_fn(logprobs, placed.mb.batch, *counts, **extra)
                 loss.backward()
                 named = {**metrics, "loss": loss}
                 keys = tuple(sorted(named))
