@@ -68,6 +68,7 @@ PER_STEP = (
     "memory/trainer_bytes_offloaded",
     "memory/trainer_resident_bytes",
     "memory/trainer_peak_refit_bytes",
+    "memory/trainer_alloc_retries",
     "gen/logprob_mismatch",
     "train/reward_mean",
     "train/response_len_mean",

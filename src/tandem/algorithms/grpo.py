@@ -146,7 +146,7 @@ def train_on_groups(
         "train/zero_variance_groups": adv.metrics["zero_variance_group_frac"],
         **groups.metrics,
         **{f"train/{k}": v for k, v in train_metrics.items() if k in _TRAIN_METRICS},
-        **{k: v for k, v in train_metrics.items() if k.startswith("rollout_correction/")},
+        **{k: v for k, v in train_metrics.items() if k.startswith(_PASSED_THROUGH)},
         "train/kl": train_metrics.get("kl", 0.0),
         "train/clip_frac": train_metrics.get("clip_frac", 0.0),
         "train/entropy": train_metrics.get("entropy", 0.0),
@@ -176,6 +176,8 @@ def _distill(
 
 
 _TRAIN_METRICS = ("loss", "grad_norm", "lr", "importance_weight_mean", "updates")
+_PASSED_THROUGH = ("rollout_correction/", "memory/")
+"""Trainer metrics logged under their own names."""
 
 
 @dataclass

@@ -108,7 +108,15 @@ class TrainerWorker:
                 self.policy.offload()
 
     def train(self, batch: TrainBatch, loss_fn: Any) -> dict[str, float]:
-        return self.policy.train(batch, loss_fn)
+        """The policy's step; on a GPU also ``memory/trainer_alloc_retries``: how often the
+        caching allocator found no free block, handed its cache back and retried during it
+        (memory pressure that serialises the step; 0 when the step fits)."""
+        if not torch.cuda.is_available():
+            return self.policy.train(batch, loss_fn)
+        before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        metrics = self.policy.train(batch, loss_fn)
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - before
+        return {**metrics, "memory/trainer_alloc_retries": float(retries)}
 
     def prepare_refit(self) -> Any:
         """Refit metadata and rendezvous (rank 0 returns the spec, other ranks None)."""
