@@ -24,23 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-
-class DataCalls(TorchDispatchMode):
-    """Counts the aten calls that read or write tensor data (views and allocations left
-    out): on a GPU each launches at least one kernel."""
-
-    NO_DATA = frozenset({"empty", "empty_like", "empty_strided", "set_", "lift_fresh"})
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not func.is_view and func.overloadpacket.__name__ not in self.NO_DATA:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+from aten_calls import DataCalls
 
 
 def narrow_vl(path: Path) -> Path:
