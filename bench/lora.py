@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from aten_calls import DataCalls
 from ceilings import emit
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.algorithms.losses import nll_loss
 from tandem.assets.real_shapes import write_real_shape
@@ -110,25 +110,9 @@ def _counted(stream: Any, sent: list[int]) -> Any:
         yield name, tensor
 
 
-class _DataCalls(TorchDispatchMode):
-    """Counts the aten calls that read or write tensor data, of which a GPU launches at least
-    one kernel each (views and allocations left out)."""
-
-    NO_DATA = frozenset({"empty", "empty_like", "empty_strided", "set_", "lift_fresh"})
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not func.is_view and func.overloadpacket.__name__ not in self.NO_DATA:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _refit_data_calls(trainer: TrainerWorker, generator: GeneratorWorker, version: int) -> int:
     """The data calls of one more refit (untimed: counting slows the calls down)."""
-    with _DataCalls() as calls:
+    with DataCalls() as calls:
         generator.load_weights(trainer.weight_stream(), version)
     return calls.count
 
