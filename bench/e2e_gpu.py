@@ -207,16 +207,31 @@ def run_trl(path: Path, args: argparse.Namespace, root: Path, label: str) -> flo
         *trl_lora_args(args),
         *([] if args.activation_checkpointing else ["--no-gradient-checkpointing"]),
     ]
-    out = subprocess.run(command, capture_output=True, text=True, check=False)
-    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"figure"')]
+    # its figure lines pass through as they come (a run stopped at its limit still shows the
+    # steps TRL finished), its log to a file beside the prompts
+    log = root / f"trl-{label}.log"
+    lines = []
+    with (
+        log.open("w") as err,
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True) as proc,
+    ):
+        try:
+            for raw in proc.stdout or ():
+                if raw.startswith('{"figure"'):
+                    lines.append(json.loads(raw))
+                    print(raw.rstrip(), flush=True)
+        except BaseException:
+            proc.kill()
+            raise
     steps = [line for line in lines if line["figure"] == "trl_step_s"]
     for line in lines:
         if line["figure"] == "trl_trainable_params":
             emit(line)
-    if out.returncode != 0 or not steps:
-        memory = "out of memory" if "OutOfMemoryError" in out.stderr else "failed"
-        emit({"figure": "trl_failed", "label": label, "why": memory, "rc": out.returncode})
-        raise RuntimeError(f"TRL run failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    if proc.returncode != 0 or not steps:
+        tail = log.read_text()[-3000:]
+        memory = "out of memory" if "OutOfMemoryError" in tail else "failed"
+        emit({"figure": "trl_failed", "label": label, "why": memory, "rc": proc.returncode})
+        raise RuntimeError(f"TRL run failed ({proc.returncode}), {log}:\n{tail}")
     return median_step([r["value"] for r in steps])
 
 
