@@ -185,8 +185,12 @@ class LogprobModel(nn.Module):
             assert position_ids is None, "vision-language batches are not packed"
             mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
             embeds, positions = vision_inputs(lm, input_ids, mask, images)
+            # use_cache: the trainer turns off the top config's; the text config has its own
             hidden = lm.model(
-                inputs_embeds=embeds, attention_mask=body_mask, position_ids=positions
+                inputs_embeds=embeds,
+                attention_mask=body_mask,
+                position_ids=positions,
+                use_cache=False,
             ).last_hidden_state
         else:
             hidden = lm.get_decoder()(
