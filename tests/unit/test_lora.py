@@ -213,3 +213,23 @@ def test_offload_without_the_base_moves_adapters_gradients_and_optimizer_state_o
     assert all(not b.is_meta for b in trainer.model.buffers())
     assert trainer._offloads_adapters_only
     assert not trainer_worker(lora_policy(), HF, steps=0).policy._offloads_adapters_only
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_activation_checkpointing_trains_the_adapters_alike(dropout: float) -> None:
+    """Frozen embeddings give the first checkpointed layer no input that requires gradients;
+    the adapters still train as without checkpointing (dropout: the recompute's masks)."""
+    runs = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        config = lora_policy(dropout=dropout).model_copy(
+            update={"activation_checkpointing": checkpointing}
+        )
+        trainer = PolicyTrainer(config)
+        metrics = [trainer.train(train_batch(), nll_loss) for _ in range(2)]
+        runs.append((metrics, dict(trainer.iter_adapter())))
+    (plain_metrics, plain), (checkpointed_metrics, checkpointed) = runs
+    assert plain_metrics == checkpointed_metrics
+    assert plain.keys() == checkpointed.keys() and plain
+    for name, tensor in plain.items():
+        assert torch.equal(checkpointed[name], tensor), name
