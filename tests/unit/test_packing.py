@@ -118,6 +118,33 @@ def rows_and_widths(plan: list[packing.MicroBatch]) -> list[tuple[list[int], int
     return [(mb.rows.tolist(), mb.batch.input_ids.shape[1]) for mb in plan]
 
 
+def test_micro_batches_keep_an_image_s_rows_together_where_the_tower_costs_more() -> None:
+    """Rows 0-1 share one image, rows 2-3 another (a GRPO group's samples): sorted by length
+    ([6, 5] and [2, 1]) each micro-batch holds both images, so the tower runs 4 times instead
+    of 2; the padding saved (22 -> 16 tokens) is worth it only while patches are cheap."""
+    from tandem.data.images import ImageInputs, RowImages
+
+    def image() -> ImageInputs:  # 16 patches
+        return ImageInputs(torch.zeros(16, 8), torch.tensor([[1, 4, 4]]))
+
+    first, second = image(), image()
+    plain = batch_of([6, 1, 5, 2])
+    batch = TrainBatch(
+        plain.input_ids,
+        plain.attention_mask,
+        plain.loss_mask,
+        images=RowImages([first, first, second, second]),
+    )
+    assert packing.image_patches(batch, torch.tensor([0, 1, 2])) == 32  # each image once
+    sorted_plan = [([0, 2], 6), ([1, 3], 2)]
+    for patch_cost in (0.0, 0.1):  # padding 16 + 64 x 0.1 < 22 + 32 x 0.1
+        plan = plan_micro_batches(batch, 2, overhead=10**6, patch_cost=patch_cost)
+        assert rows_and_widths(plan) == sorted_plan
+    grouped = plan_micro_batches(batch, 2, overhead=10**6, patch_cost=1.0)
+    assert rows_and_widths(grouped) == [([0, 1], 6), ([2, 3], 5)]
+    assert [len({id(r) for r in mb.batch.images.rows}) for mb in grouped] == [1, 1]
+
+
 def test_micro_batches_hold_similar_lengths_where_a_cut_saves_more_than_it_costs() -> None:
     batch = batch_of([6, 1, 5, 2, 2])
     # in order: [6, 1], [5, 2], [2] = 12 + 10 + 2 padded tokens; sorted: [6, 5], [2, 2], [1]

@@ -96,6 +96,7 @@ def plan_micro_batches(
     pack: bool = False,
     attention_cost: float | None = None,
     overhead: int = MICRO_BATCH_OVERHEAD["cpu"],
+    patch_cost: float = 0.0,
 ) -> list[MicroBatch]:
     """Micro-batches covering every sequence of ``batch`` once (see the module docstring).
 
@@ -105,7 +106,10 @@ def plan_micro_batches(
     ``max_sequences`` whose real tokens stay within ``max_tokens`` (default ``max_sequences`` x
     the longest sequence); a sequence longer than the budget gets a micro-batch of its own.
     With ``attention_cost`` (see ``layout_cost``) a micro-batch whose sequences share prompts
-    computes each once where that is cheaper."""
+    computes each once where that is cheaper. ``patch_cost``: what one image patch costs
+    through the vision tower, in tokens of the language model; a micro-batch runs the tower
+    once per distinct image it holds (a GRPO group's samples share theirs), so sorting by
+    length, which scatters the groups, weighs the images it repeats."""
     if not batch.num_sequences:
         return []
     lengths = sequence_lengths(batch)
@@ -117,21 +121,50 @@ def plan_micro_batches(
             _micro_batch(*_layout(batch, rows, True, attention_cost, prompts)) for rows in groups
         ]
     plans = [_cut_by_length(lengths, max_sequences, max_tokens, overhead)]
-    in_order = [
-        torch.arange(start, min(start + max_sequences, batch.num_sequences))
-        for start in range(0, batch.num_sequences, max_sequences)
-    ]
-    in_budget = max_tokens is None or all(
-        len(g) * int(lengths[g].max()) <= max_tokens for g in in_order
-    )
-    if in_budget and [g.tolist() for g in plans[0]] != [g.tolist() for g in in_order]:
+    in_order = _in_order(lengths.tolist(), max_sequences, max_tokens)
+    if [g.tolist() for g in plans[0]] != [g.tolist() for g in in_order]:
         plans.append(in_order)
     laid = [
         [_layout(batch, rows, False, attention_cost, prompts) for rows in groups]
         for groups in plans
     ]
-    cheapest = min(laid, key=lambda plan: sum(cost for *_, cost in plan) + overhead * len(plan))
-    return [_micro_batch(*parts) for parts in cheapest]
+    images = [
+        sum(image_patches(batch, rows) for rows in groups) * patch_cost if patch_cost else 0.0
+        for groups in plans
+    ]
+    cheapest = min(
+        range(len(laid)),
+        key=lambda k: sum(cost for *_, cost in laid[k]) + overhead * len(laid[k]) + images[k],
+    )
+    return [_micro_batch(*parts) for parts in laid[cheapest]]
+
+
+def _in_order(lengths: list[int], max_sequences: int, max_tokens: int | None) -> list[torch.Tensor]:
+    """Consecutive sequences (a GRPO group's samples stay together), a micro-batch closing
+    where one more would pass ``max_sequences`` or ``max_tokens`` padded."""
+    groups: list[list[int]] = []
+    longest = 0
+    for row, length in enumerate(lengths):
+        widest = max(longest, length)
+        full = groups and len(groups[-1]) >= max_sequences
+        over = groups and max_tokens is not None and (len(groups[-1]) + 1) * widest > max_tokens
+        if not groups or full or over:
+            groups.append([row])
+            longest = length
+        else:
+            groups[-1].append(row)
+            longest = widest
+    return [torch.tensor(g) for g in groups]
+
+
+def image_patches(batch: TrainBatch, rows: torch.Tensor) -> int:
+    """The patches the vision tower runs for a micro-batch of ``rows``: each distinct image
+    once (0 for text)."""
+    if batch.images is None:
+        return 0
+    picked = [batch.images.rows[int(i)] for i in rows.tolist()]
+    distinct = {id(r): r for r in picked if r is not None}.values()
+    return sum(int(r.image_grid_thw.prod(-1).sum()) for r in distinct)
 
 
 def _layout(

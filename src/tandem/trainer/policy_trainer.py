@@ -42,10 +42,22 @@ from tandem.trainer.parallelize import (
     reshard,
     stays_gathered,
     uses_fsdp,
+    vision_tower,
 )
 from tandem.trainer.schedule import build_optimizer
 from tandem.trainer.weights import full_tensor, hf_state
 from tandem.vision_attention import batch_vision_windows
+
+
+def vision_patch_cost(lm: Any) -> float:
+    """``data.packing.plan_micro_batches``' patch cost for ``lm``: one image patch through the
+    vision tower per token through the language model, by their weights (0: no tower)."""
+    tower = vision_tower(lm)
+    if tower is None:
+        return 0.0
+    embedded = sum(p.numel() for p in lm.get_input_embeddings().parameters())
+    text = sum(p.numel() for p in lm.get_decoder().parameters()) - embedded
+    return sum(p.numel() for p in tower.parameters()) / max(text, 1)
 
 
 def shared_prompt_cost(lm: Any) -> float | None:
@@ -144,6 +156,9 @@ class PolicyTrainer:
             shared_prompt_cost(self.lm) if config.share_prompts and not self.vision else None
         )
         """``plan_micro_batches``' attention_cost: None computes every sequence's prompt."""
+        self.patch_cost = vision_patch_cost(self.lm)
+        """``plan_micro_batches``' patch cost: micro-batches that keep an image's rows together
+        run the vision tower fewer times."""
         self.micro_batch_overhead = (
             MICRO_BATCH_OVERHEAD.get(self.device.type, MICRO_BATCH_OVERHEAD["cuda"])
             if config.micro_batch_overhead is None
@@ -208,6 +223,7 @@ class PolicyTrainer:
                 config.packing and not self.vision,
                 self.attention_cost,
                 self.micro_batch_overhead,
+                self.patch_cost,
             )
         ]
         # one collective for both: the most micro-batches and (negated) the fewest sequences
