@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from tandem.attention import full_attention_only
 from tandem.checkpoint import Ranks, TrainState, hf_export, sharded
@@ -368,12 +369,14 @@ class PolicyTrainer:
         """Forward and backward of every micro-batch; the loss and ``loss_fn``'s metrics summed
         over them (float64, on the device: one stack, cast and add a micro-batch)."""
         gathered = stays_gathered(self.config, self.world_size)
-        root: Any = self.model  # an FSDPModule when gathered
+        # each FSDP module itself: recursing walks every module of the model (LoRA: thousands)
+        fsdp = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if gathered else []
         totals: dict[tuple[str, ...], torch.Tensor] = {}
         try:
             for index, placed in enumerate(micro_batches):
-                if gathered:  # one reduction, after the last micro-batch
-                    root.set_requires_gradient_sync(index == len(micro_batches) - 1)
+                last = index == len(micro_batches) - 1
+                for module in fsdp:  # one reduction, after the last micro-batch
+                    module.set_requires_gradient_sync(last, recurse=False)
                 logprobs, entropy = self._forward(placed, with_entropy)
                 extra = {"entropy": entropy} if with_entropy else {}
                 counts = (num_tokens, num_sequences)
