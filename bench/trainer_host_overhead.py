@@ -96,7 +96,7 @@ def grpo_batch(vocab: int, prompts: int = 8, group: int = 8, prompt: int = 20) -
 
 def peer_model(config: PolicyConfig, device: torch.device, plain: bool) -> Any:
     """The policy's Hugging Face model built as ``PolicyTrainer`` builds it (``plain``: bare)."""
-    lm = transformers.AutoModelForCausalLM.from_pretrained(
+    lm: Any = transformers.AutoModelForCausalLM.from_pretrained(
         str(config.model_path), dtype=torch.bfloat16 if config.dtype == "bfloat16" else None
     )
     lm.config.use_cache = False

@@ -379,8 +379,9 @@ class PolicyTrainer:
                     module.set_requires_gradient_sync(last, recurse=False)
                 logprobs, entropy = self._forward(placed, with_entropy)
                 extra = {"entropy": entropy} if with_entropy else {}
-                counts = (num_tokens, num_sequences)
-                loss, metrics = loss_fn(logprobs, placed.mb.batch, *counts, **extra)
+                loss, metrics = loss_fn(
+                    logprobs, placed.mb.batch, num_tokens, num_sequences, **extra
+                )
                 loss.backward()
                 named = {**metrics, "loss": loss}
                 keys = tuple(sorted(named))
