@@ -246,3 +246,30 @@ def test_one_rank_keeps_its_parameters_gathered_through_a_step(
     assert gathered["resharded"] and resharded["resharded"]  # nothing stays gathered after it
     # no gather, cast, reduction a layer and micro-batch: fewer ops for the same step
     assert gathered["ops"] < resharded["ops"]
+
+
+def test_only_a_model_small_beside_the_gpu_stays_gathered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank keeps a compute-dtype copy gathered through the step only while it takes at
+    most ``GATHERED_SHARE`` of the GPU (any size on a CPU; never with several ranks or CPU
+    offload)."""
+    from types import SimpleNamespace
+
+    from tandem.config.models import PolicyConfig
+    from tandem.trainer.parallelize import GATHERED_SHARE, stays_gathered
+
+    model = torch.nn.Linear(1000, 1000)  # 1,001,000 parameters: 2.0 MB in bf16
+    config = PolicyConfig(mixed_precision=True)
+    cuda = torch.device("cuda", 0)
+
+    def gpu(total: float) -> None:
+        properties = SimpleNamespace(total_memory=int(total))
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: properties)
+
+    gpu(2_002_000 / GATHERED_SHARE)
+    assert stays_gathered(config, 1, model, cuda)
+    gpu(2_001_999 / GATHERED_SHARE)
+    assert not stays_gathered(config, 1, model, cuda)
+    assert stays_gathered(config, 1, model, torch.device("cpu"))
+    assert not stays_gathered(config, 2, model, torch.device("cpu"))
+    offload = PolicyConfig(mixed_precision=True, cpu_offload=True)
+    assert not stays_gathered(offload, 1, model, torch.device("cpu"))

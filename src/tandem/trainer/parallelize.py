@@ -32,15 +32,32 @@ def uses_fsdp(config: PolicyConfig, world_size: int) -> bool:
     return world_size > 1 or config.mixed_precision or config.cpu_offload
 
 
-def stays_gathered(config: PolicyConfig, world_size: int) -> bool:
+GATHERED_SHARE = 1 / 16
+"""The most of a GPU's memory a kept-gathered compute-dtype copy of the model may take
+(``stays_gathered``): 5 GB of 80 GB, a 1.5B model in bf16 but not a 3B one."""
+
+
+def stays_gathered(
+    config: PolicyConfig, world_size: int, model: nn.Module, device: torch.device
+) -> bool:
     """Whether FSDP2 keeps the compute-dtype parameters gathered from the first forward of a
     step to its end, and reduces the gradients once, after the last micro-batch: one rank,
-    without CPU offload. There a gather is a cast and a copy and a reduction a copy, redone for
-    every layer of every micro-batch (twice a layer with activation checkpointing); kept, the
-    ops are the same numbers (the gradients add up in fp32 in the same order), and the memory
-    is one compute-dtype copy of the model for the step (``PolicyTrainer.train`` reshards
-    after it). Several ranks would each hold the whole model, what FSDP2 exists to avoid."""
-    return world_size == 1 and uses_fsdp(config, world_size) and not config.cpu_offload
+    without CPU offload, a model whose compute-dtype copy is small beside the device's memory
+    (``GATHERED_SHARE``; any size on a CPU). There a gather is a cast and a copy and a reduction
+    a copy, redone for every layer of every micro-batch (twice a layer with activation
+    checkpointing); kept, the ops are the same numbers (the gradients add up in fp32 in the same
+    order), and the memory is one compute-dtype copy of the model for the step
+    (``PolicyTrainer.train`` reshards after it). A small model's micro-batches are bound by
+    those per-layer calls; a large one's by arithmetic, while its copy would take memory its
+    activations and a colocated generator need. Several ranks would each hold the whole model,
+    what FSDP2 exists to avoid."""
+    if world_size != 1 or not uses_fsdp(config, world_size) or config.cpu_offload:
+        return False
+    if device.type != "cuda":
+        return True
+    width = 2 if config.mixed_precision or config.dtype == "bfloat16" else 4
+    copy_bytes = width * sum(p.numel() for p in model.parameters())
+    return copy_bytes <= GATHERED_SHARE * torch.cuda.get_device_properties(device).total_memory
 
 
 def init_distributed(rank: int, world_size: int, device: torch.device) -> None:
@@ -164,7 +181,7 @@ def apply_fsdp(
         )
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    gathered = stays_gathered(config, mesh.size())
+    gathered = stays_gathered(config, mesh.size(), model, device)
     tower = vision_tower(model)
     if tower is not None:  # each vision block, then the rest of the tower (patches, merger)
         blocks: Any = tower.blocks

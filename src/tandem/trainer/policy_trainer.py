@@ -157,6 +157,8 @@ class PolicyTrainer:
             shared_prompt_cost(self.lm) if config.share_prompts and not self.vision else None
         )
         """``plan_micro_batches``' attention_cost: None computes every sequence's prompt."""
+        self.stays_gathered = stays_gathered(config, world_size, self.lm, self.device)
+        """FSDP2 keeps the parameters gathered through a train step (``parallelize``)."""
         self.patch_cost = vision_patch_cost(self.lm)
         """``plan_micro_batches``' patch cost: micro-batches that keep an image's rows together
         run the vision tower fewer times."""
@@ -368,7 +370,7 @@ class PolicyTrainer:
     ) -> dict[str, torch.Tensor]:
         """Forward and backward of every micro-batch; the loss and ``loss_fn``'s metrics summed
         over them (float64, on the device: one stack, cast and add a micro-batch)."""
-        gathered = stays_gathered(self.config, self.world_size)
+        gathered = self.stays_gathered
         # each FSDP module itself: recursing walks every module of the model (LoRA: thousands)
         fsdp = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if gathered else []
         totals: dict[tuple[str, ...], torch.Tensor] = {}
