@@ -220,18 +220,15 @@ class MegatronTrainer:
         self._fuse_adam()
 
     def _fuse_adam(self) -> None:
-        """Without Apex or Transformer Engine megatron-core steps ``torch.optim.AdamW`` with
-        its default multi-tensor kernels (64 ms of a 0.75 s step at the 1.5B shape): on CUDA
-        its groups take torch's fused kernel (one launch for all parameters; the same update).
-        Its ``step`` counters then live on the device, where ``load_state_dict`` puts them too."""
+        """Without Apex or Transformer Engine megatron-core steps torch's AdamW with multi-tensor
+        kernels (64 ms of a 0.75 s step at 1.5B): on CUDA its groups take the fused kernel (the
+        same update; the ``step`` counters live on the device, where loading puts them too)."""
         for opt in self.inner_optimizers():
-            if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
-                continue  # Apex's or Transformer Engine's fused Adam: already one kernel
             params = [p for group in opt.param_groups for p in group["params"]]
-            if not params or not all(p.is_cuda and p.is_floating_point() for p in params):
-                continue
-            for group in opt.param_groups:
-                group["fused"], group["foreach"] = True, False
+            torch_adam = isinstance(opt, torch.optim.Adam | torch.optim.AdamW)  # not Apex's/TE's
+            if torch_adam and params and all(p.is_cuda and p.is_floating_point() for p in params):
+                for group in opt.param_groups:
+                    group["fused"], group["foreach"] = True, False
 
     def _require_resident(self, what: str) -> None:
         if not self.resident:
