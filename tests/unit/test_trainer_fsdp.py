@@ -273,3 +273,27 @@ def test_only_a_model_small_beside_the_gpu_stays_gathered(monkeypatch: pytest.Mo
     assert not stays_gathered(config, 2, model, torch.device("cpu"))
     offload = PolicyConfig(mixed_precision=True, cpu_offload=True)
     assert not stays_gathered(offload, 1, model, torch.device("cpu"))
+
+
+def _checkpointed_rank(rank: int, world_size: int, model_dir: str, out: str) -> None:
+    config = policy(Path(model_dir), micro_batch_size=2, activation_checkpointing=True)
+    trainer = PolicyTrainer(config, rank, world_size)
+    shard = make_batch(size=7).select(SHARDS[rank])
+    result = {"first": trainer.train(shard, token_nll), "second": trainer.train(shard, token_nll)}
+    result["weights"] = dict(trainer.iter_weights())
+    torch.save(result, Path(out) / f"checkpointed{rank}.pt")
+
+
+def test_two_ranks_with_reentrant_checkpointing_train_like_one_plain_rank(
+    model_dir: Path, one_rank: dict[str, Any], tmp_path: Path
+) -> None:
+    """Decoder layers under torch's reentrant checkpoint, resharded after every forward as on
+    several ranks (FSDP2 gathers each layer again for the recomputation): the plain rank's
+    steps and weights."""
+    spawn(_checkpointed_rank, 2, str(model_dir), str(tmp_path))
+    rank0 = torch.load(tmp_path / "checkpointed0.pt")
+    for step in ("first", "second"):
+        for key in ("loss", "grad_norm"):
+            assert rank0[step][key] == pytest.approx(one_rank[step][key], rel=1e-5), key
+    for name, tensor in one_rank["weights"].items():
+        assert torch.allclose(rank0["weights"][name], tensor, atol=1e-5, rtol=0), name
