@@ -8,8 +8,8 @@
 2. Throughput at the 1.5B shape, 2048-token sequences, bf16: train-step MFU of both trainers
    (model FLOPs per token 6N + 12*L*d*S as ``bench/train_throughput.py``, over the bf16 matmul
    peak measured in the same run).
-3. Megatron's offload: device bytes allocated after it (goal 0), offload/onload GB/s against
-   the pinned-copy ceiling of the same run, the same tensor objects after onload, and equal
+3. Megatron's offload: device bytes allocated after it (goal 0), offload/onload GB/s (medians
+   of 5 rounds) against the pinned-copy ceiling measured after each round, the same tensor objects after onload, and equal
    logprobs.
 
     PYTHONPATH=src python bench/megatron_parity.py [--layers 24] [--skip-throughput]
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 import traceback
 from pathlib import Path
@@ -255,6 +256,10 @@ def leftovers(limit: int = 5) -> list[str]:
     return [f"{shape} {dtype} {nbytes} B" for nbytes, shape, dtype in biggest]
 
 
+ROUNDS = 5
+"""Timed offload/onload rounds (medians), a ceiling measured after each."""
+
+
 def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
     """``before_build``: bytes allocated before the trainer was built (other objects')."""
     small = batch.select(slice(0, 1)).columns(slice(0, 256))
@@ -262,7 +267,8 @@ def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
     ids = [id(p) for p in trainer.model.parameters()]
     baseline = torch.cuda.memory_allocated()
     rounds = []
-    for _ in range(2):  # the first pins its host memory
+    ceilings = []
+    for index in range(ROUNDS + 1):  # the first pins its host memory (not counted)
         torch.cuda.synchronize()
         start = time.perf_counter()
         trainer.offload()
@@ -271,12 +277,18 @@ def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
         start = time.perf_counter()
         trainer.onload()
         on_s = time.perf_counter() - start
-        rounds.append((off_s, on_s, left))
+        if index:
+            rounds.append((off_s, on_s, left))
+            # the ceiling between rounds (a 4 GiB pinned copy at most): the link's rate drifts
+            ceilings.append(_copy_seconds(min(trainer._offload.nbytes, 4 * 2**30))[:2])
     parts = {f"{k}_s": round(v, 4) for k, v in trainer._offload.seconds.items()}
     moved = trainer._offload.nbytes
-    h2d, d2h, _ = _copy_seconds(min(moved, 4 * 2**30))  # the ceiling, of a 4 GiB copy at most
     ceiling_bytes = min(moved, 4 * 2**30)
-    off_s, on_s, left = rounds[-1]
+    off_s = statistics.median(r[0] for r in rounds)
+    on_s = statistics.median(r[1] for r in rounds)
+    left = max(r[2] for r in rounds)
+    h2d = statistics.median(c[0] for c in ceilings)
+    d2h = statistics.median(c[1] for c in ceilings)
     emit(
         {
             "figure": "megatron_offload",
@@ -295,6 +307,12 @@ def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
             "storages": len(trainer._offload.sizes),
             "pinned_d2h_gb_s": round(ceiling_bytes / d2h / 1e9, 2),
             "pinned_h2d_gb_s": round(ceiling_bytes / h2d / 1e9, 2),
+            "offload_of_ceiling": round(d2h / ceiling_bytes * moved / off_s, 3),
+            "onload_of_ceiling": round(h2d / ceiling_bytes * moved / on_s, 3),
+            "rounds_onload_of_ceiling": [
+                round(c[0] / ceiling_bytes * moved / r[1], 3)
+                for r, c in zip(rounds, ceilings, strict=True)
+            ],
             "same_objects": ids == [id(p) for p in trainer.model.parameters()],
             "logprob_diff_after_onload": float((trainer.logprobs(small) - before).abs().max()),
         }
