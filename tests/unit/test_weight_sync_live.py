@@ -131,3 +131,36 @@ def test_run_indices_and_empty_plans() -> None:
     assert plan_runs(empty, [], Storages()) == ()
     assert packed_pieces(empty, ()) == ()
     assert ready_batches(()) == ()
+
+
+def test_a_refit_read_wholly_in_place_sends_without_buffers() -> None:
+    """CUDA IPC of live tensors allocates no slots when nothing is packed: sending asks for
+    none (it once asked for slot 0 of an empty list on every bucket batch) and publishes every
+    bucket, the stream finished before the last publish."""
+    from tandem.weight_sync.base import RefitSpec, SenderRefit, _send_buckets
+
+    state = laid_out(2)
+    plan = plan_buckets(metadata_of(state.items()), 2**16)
+    runs = plan_runs(plan, list(state.values()), Storages())
+    spec = RefitSpec(0, "colocated", "cpu", plan, "127.0.0.1", 0, 1, 1.0, runs=runs)
+    events: list[str] = []
+
+    class NoSlots(SenderRefit):
+        def buffer(self, slot: int) -> torch.Tensor:
+            raise AssertionError(f"slot {slot} asked for: nothing is packed")
+
+        def publish(self, indices: range) -> None:
+            events.append(f"publish {indices.start}-{indices.stop}")
+
+        def wait_slot(self, index: int) -> None:
+            raise AssertionError("no slot to wait for")
+
+    class Source:
+        def tensor(self, index: int) -> torch.Tensor:
+            raise AssertionError("an in-place tensor was read for packing")
+
+        def finish(self) -> None:
+            events.append("finish")
+
+    _send_buckets(NoSlots(spec), Source())  # type: ignore[arg-type]
+    assert events == ["finish", f"publish 0-{len(plan.buckets)}"]

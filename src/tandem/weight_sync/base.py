@@ -339,13 +339,15 @@ def _send_buckets(refit: SenderRefit, source: _StreamCursor | _LiveTensors) -> N
     num_buckets = len(refit.spec.plan.buckets)
     for batch in batches:
         first = batch.start  # only a batch's first bucket packs anything
-        packer = BucketPacker(refit.buffer(first % NUM_SLOTS))  # runs of pieces in one copy
-        for n, piece in enumerate(refit.packed[first]):
-            tensor = source.tensor(piece.tensor_index)  # (a gather overlaps the slot's wait)
-            if n == 0 and first >= NUM_SLOTS:
-                refit.wait_slot(first - NUM_SLOTS)
-            packer.add(piece, tensor)
-        packer.flush()
+        pieces = refit.packed[first]
+        if pieces:  # (a transport reading every tensor in place has no buffers to pack into)
+            packer = BucketPacker(refit.buffer(first % NUM_SLOTS))  # runs of pieces in one copy
+            for n, piece in enumerate(pieces):
+                tensor = source.tensor(piece.tensor_index)  # (a gather overlaps the slot's wait)
+                if n == 0 and first >= NUM_SLOTS:
+                    refit.wait_slot(first - NUM_SLOTS)
+                packer.add(piece, tensor)
+            packer.flush()
         if batch.stop == num_buckets:
             source.finish()  # before the last publish: the receivers must not finish first
         refit.publish(batch)
