@@ -133,7 +133,7 @@ def test_micro_batches_keep_an_image_s_rows_together_where_the_tower_costs_more(
         plain.input_ids,
         plain.attention_mask,
         plain.loss_mask,
-        images=RowImages([first, first, second, second]),
+        images=RowImages.from_rows([first, first, second, second]),
     )
     assert packing.image_patches(batch, torch.tensor([0, 1, 2])) == 32  # each image once
     sorted_plan = [([0, 2], 6), ([1, 3], 2)]

@@ -66,31 +66,53 @@ def own_prompt(prompt: Sequence[int]) -> list[int]:
 
 @dataclass
 class RowImages:
-    """The images of each row of a batch (None for a row without), selected with its rows."""
+    """The images of each row of a batch (none for some rows), selected with its rows.
 
-    rows: list[ImageInputs | None]
+    Rows that share images (a prompt's samples) share them explicitly: ``distinct`` holds each
+    ``ImageInputs`` once and ``index`` each row's position in it (-1: no image), so the vision
+    tower runs once per distinct entry. Identity alone would not survive a map over the
+    batch's tensors: FSDP2 casts a root module's forward inputs by rebuilding every dataclass
+    it finds, which gave each row its own copy (the tower then ran once per row)."""
+
+    distinct: list[ImageInputs]
+    index: list[int]
+
+    @staticmethod
+    def from_rows(rows: Sequence[ImageInputs | None]) -> RowImages:
+        """Rows holding the same ``ImageInputs`` object share its entry."""
+        seen: dict[int, int] = {}
+        distinct: list[ImageInputs] = []
+        index: list[int] = []
+        for row in rows:
+            if row is not None and id(row) not in seen:
+                seen[id(row)] = len(distinct)
+                distinct.append(row)
+            index.append(-1 if row is None else seen[id(row)])
+        return RowImages(distinct, index)
 
     @staticmethod
     def of(prompts: Sequence[Sequence[int]]) -> RowImages | None:
         """The rows' images, or None when no prompt has any (a text batch)."""
         images = [prompt_images(p) for p in prompts]
-        return RowImages(images) if any(i is not None for i in images) else None
+        return RowImages.from_rows(images) if any(i is not None for i in images) else None
+
+    @property
+    def rows(self) -> list[ImageInputs | None]:
+        """Each row's images (the same object for rows that share them)."""
+        return [None if i < 0 else self.distinct[i] for i in self.index]
 
     def select(self, index: slice | torch.Tensor | list[int]) -> RowImages:
+        rows = self.rows
         if isinstance(index, slice):
-            return RowImages(self.rows[index])
+            return RowImages.from_rows(rows[index])
         picks = index.tolist() if isinstance(index, torch.Tensor) else index
         if isinstance(picks, int):
             picks = [picks]
-        return RowImages([self.rows[int(i)] for i in picks])
+        return RowImages.from_rows([rows[int(i)] for i in picks])
 
     def to(self, device: torch.device | str) -> RowImages:
-        """On ``device``; rows that shared an ``ImageInputs`` share its copy."""
-        moved: dict[int, ImageInputs] = {}
-        for row in self.rows:
-            if row is not None and id(row) not in moved:
-                moved[id(row)] = row.to(device)
-        return RowImages([None if r is None else moved[id(r)] for r in self.rows])
+        """On ``device``: each distinct entry copied once."""
+        return RowImages([d.to(device) for d in self.distinct], list(self.index))
 
     def merged(self) -> ImageInputs | None:
         """One forward's inputs (rows in order), None when no row has an image."""
@@ -100,9 +122,7 @@ class RowImages:
     def keys(self) -> torch.Tensor:
         """Per row, which of the distinct ``ImageInputs`` it holds (-1: none): rows of equal
         keys hold the same images (a prompt's samples share its ``ImageInputs``)."""
-        seen: dict[int, int] = {}
-        keys = [-1 if r is None else seen.setdefault(id(r), len(seen)) for r in self.rows]
-        return torch.tensor(keys, dtype=torch.long)
+        return torch.tensor(self.index, dtype=torch.long)
 
 
 def distinct_rows(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,12 +246,13 @@ def vision_inputs(
     share theirs), its features scattered to every row that holds it."""
     body = model.model
     merge = int(model.config.vision_config.spatial_merge_size)
-    per_row: list[ImageInputs | None] = rows.rows if rows is not None else [None] * len(input_ids)
+    rows = rows if rows is not None else RowImages([], [-1] * len(input_ids))
+    per_row = rows.rows
     counts = [0 if r is None else int(r.image_grid_thw.prod(-1).sum()) // merge**2 for r in per_row]
     is_image = input_ids == model.config.image_token_id
     is_image &= is_image.cumsum(-1) <= torch.tensor(counts, device=input_ids.device)[:, None]
     present = [r for r in per_row if r is not None]
-    positions = _positions(body, input_ids, is_image, attention_mask, RowImages(per_row))
+    positions = _positions(body, input_ids, is_image, attention_mask, rows)
     embeds = body.get_input_embeddings()(input_ids)
     if not present:
         return embeds, positions
