@@ -28,10 +28,14 @@ pytestmark = [
 @pytest.fixture(scope="module", autouse=True)
 def megatron_groups(process_group: None) -> Iterator[None]:
     """Megatron's model-parallel groups live in module globals: dropped before the process
-    group goes (``process_group``'s teardown)."""
+    group goes (``process_group``'s teardown); so do its memoised rotary tables of trainers
+    that were never offloaded (the next module checks that no test left device memory)."""
     yield
     from megatron.core import parallel_state
 
+    from tandem.trainer.megatron_trainer import _clear_megatron_caches
+
+    _clear_megatron_caches()
     parallel_state.destroy_model_parallel()
 
 
