@@ -119,6 +119,30 @@ def test_activation_checkpointing_recomputes_the_vision_blocks_too() -> None:
         assert (trained[name] - tensor).abs().max() <= 1e-6, name
 
 
+def test_checkpointed_vision_blocks_train_a_frozen_towers_adapters() -> None:
+    """LoRA freezes the tower, so the blocks' inputs need not require gradients; the
+    checkpointed blocks (torch's reentrant checkpoint) must still give the tower's adapters
+    theirs: the same step as without checkpointing, and the tower's adapters moved."""
+    from tandem.config.lora import LoraConfig
+
+    batch = image_batch(4)
+    lora = LoraConfig(rank=4, alpha=8, target_modules=("qkv", "q_proj", "v_proj"))
+
+    def trained(checkpointing: bool) -> dict[str, torch.Tensor]:
+        trainer = PolicyTrainer(
+            _config(micro_batch_size=2, lora=lora, activation_checkpointing=checkpointing)
+        )
+        trainer.train(batch, token_nll)
+        named = trainer.model.named_parameters()
+        return {n.replace("_checkpoint_wrapped_module.", ""): p.detach().clone() for n, p in named}
+
+    plain, checkpointed = trained(False), trained(True)
+    tower = [n for n in plain if ".visual." in n and "lora_B" in n]
+    assert tower and all(plain[n].abs().max() > 0 for n in tower)  # B starts at zero
+    for name, tensor in checkpointed.items():
+        assert (plain[name] - tensor).abs().max() <= 1e-6, name
+
+
 def _rank(rank: int, world_size: int, out: str) -> None:
     from torch.distributed.fsdp import FSDPModule
 

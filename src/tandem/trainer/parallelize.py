@@ -126,8 +126,8 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     hooks, twice (28 layers: 45k of 140k Python calls a micro-batch; the same numbers). It gives
     a layer's parameters gradients only through inputs that require them, so the embeddings'
     output is made to (``_inputs_require_grad``: frozen embeddings, as with LoRA). Vision
-    blocks, whose inputs need not require gradients (a frozen tower), keep the non-reentrant
-    one."""
+    blocks the same way, the patch embedding's output made to require them (a frozen tower);
+    a tower without a ``patch_embed`` keeps the non-reentrant checkpoint."""
     layers = decoder_layers(model)
     for index, layer in enumerate(layers):
         layers[index] = checkpoint_wrapper(
@@ -135,10 +135,21 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         )
     embeddings: Any = model.get_input_embeddings()  # type: ignore[operator]
     embeddings.register_forward_hook(_inputs_require_grad)
-    blocks = getattr(vision_tower(model), "blocks", None)
+    tower = vision_tower(model)
+    blocks = getattr(tower, "blocks", None)
+    patches = getattr(tower, "patch_embed", None)
     if isinstance(blocks, nn.ModuleList):
         for index, block in enumerate(blocks):
-            blocks[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            if patches is None:
+                blocks[index] = checkpoint_wrapper(
+                    block, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+                )
+            else:
+                blocks[index] = checkpoint_wrapper(
+                    block, checkpoint_impl=CheckpointImpl.REENTRANT, checkpoint_fn=_reentrant
+                )
+    if isinstance(patches, nn.Module):
+        patches.register_forward_hook(_inputs_require_grad)
 
 
 def _reentrant(function: Any, *args: Any) -> Any:
