@@ -229,3 +229,19 @@ def test_lora_offload_moves_the_base_or_keeps_it(
     assert loss_2 != pytest.approx(loss_1, rel=1e-4)
     del trainer, params, frozen, adapters
     free_device()
+
+
+def test_exact_size_pinned_memory_is_page_locked_and_copies_both_ways() -> None:
+    """``tensors.pinned.pinned_bytes``: the bytes asked (torch's pinned allocator would round
+    3 MiB + 5 up to 4 MiB), page-locked, non-blocking copies to the device and back exact."""
+    from tandem.tensors.pinned import pinned_bytes
+
+    size = 3 * 2**20 + 5
+    host = pinned_bytes(size)
+    assert host.numel() == size and host.is_pinned()
+    host.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
+    device = host.to("cuda", non_blocking=True)
+    back = pinned_bytes(size)
+    back.copy_(device, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, host)

@@ -34,6 +34,7 @@ from torch import nn
 
 from tandem.tensors.copies import device_copies
 from tandem.tensors.devices import release_device_caches, reserve_segment
+from tandem.tensors.pinned import pinned_bytes
 from tandem.trainer.parallelize import reshard
 
 try:
@@ -69,7 +70,7 @@ class HostPool:
     def start(self, num_bytes: int) -> None:
         def pin() -> None:
             start = time.perf_counter()
-            self._buffer = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+            self._buffer = pinned_bytes(num_bytes)  # (torch's allocator rounds up to 2^k)
             self.pin_seconds = time.perf_counter() - start
 
         self._thread = threading.Thread(target=pin, name="tandem-pin-host", daemon=True)
