@@ -35,7 +35,8 @@ stage timeline 90 sh -c "python3 bench/refit_timeline.py --model 1.5b --bucket-m
   python3 bench/refit_timeline.py --model 8b --bucket-mib 2048"
 stage megatron 240 python3 bench/megatron_parity.py
 stage vision 120 python3 bench/vision_windows.py --images 16 --rounds 3
-for f in train offload refit breakdown scan timeline megatron vision; do grep -E "Error|error:" "$OUT/$f.log" | tail -n 3; done
+stage vlm_train 240 python3 bench/vlm_train_profile.py --profile "$OUT/vlm_profile"
+for f in train offload refit breakdown scan timeline megatron vision vlm_train; do grep -E "Error|error:" "$OUT/$f.log" | tail -n 3; done
 python3 - "$OUT/figures.jsonl" <<'PY'
 import json, sys
 try:
