@@ -58,6 +58,7 @@ from tandem.config.models import (
 )
 from tandem.data.batch import TrainBatch
 from tandem.generation.base import SamplingParams
+from tandem.tensors.packed import PackedStream
 
 MODES = ("full", "lora", "lora_keep_base", "lora_merged")
 GOALS = {"refit_s": 0.05, "refit_bytes": 0.02}
@@ -105,6 +106,15 @@ class _Timer:
 
 
 def _counted(stream: Any, sent: list[int]) -> Any:
+    """``stream`` with its bytes counted into ``sent``; a ``PackedStream`` (adapters in one
+    tensor, which the generator copies at once) is passed on as it is."""
+    if isinstance(stream, PackedStream):
+        sent[0] += stream.nbytes
+        return stream
+    return _each_counted(stream, sent)
+
+
+def _each_counted(stream: Any, sent: list[int]) -> Any:
     for name, tensor in stream:
         sent[0] += tensor.numel() * tensor.element_size()
         yield name, tensor

@@ -9,8 +9,8 @@
    (model FLOPs per token 6N + 12*L*d*S as ``bench/train_throughput.py``, over the bf16 matmul
    peak measured in the same run).
 3. Megatron's offload: device bytes allocated after it (goal 0), offload/onload GB/s (medians
-   of 5 rounds) against the pinned-copy ceiling measured after each round, the same tensor objects after onload, and equal
-   logprobs.
+   of 5 rounds) against the pinned-copy ceiling measured after each round, the same tensor
+   objects after onload, and equal logprobs.
 
     PYTHONPATH=src python bench/megatron_parity.py [--layers 24] [--skip-throughput]
 """

@@ -34,6 +34,9 @@ SHAPE = dict(
     num_key_value_heads=1,
 )
 NUM_ADAPTERS = 28 * 7 * 2
+SCALED = Counter({"repeat_interleave": 1, "index_select": 1, "mul": 1})
+"""The trainer's scaled copy: a per-element scale (1 for each A; repeat_interleave gathers it by
+index) and one multiply, whatever the number of adapters."""
 NO_DATA = {"empty", "empty_like", "empty_strided", "set_", "lift_fresh", "from_file"}
 """Aten calls that are not views yet touch no tensor data (``from_file`` maps shared memory)."""
 
@@ -70,9 +73,9 @@ def _workers(model: Path, dtype: str = "float32") -> tuple[TrainerWorker, Genera
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_an_adapter_refit_of_392_tensors_is_a_handful_of_kernels(model: Path, dtype: str) -> None:
-    """The trainer copies its adapters at once and scales the B's in one fused call (and casts
-    them in one), the generator copies them into its layers at once: where a copy and a
-    multiply per tensor took 588 calls (980 with the cast)."""
+    """The trainer copies and scales its adapters in one multiply (and casts them in one), the
+    generator copies them into its layers at once: where a copy and a multiply per tensor took
+    588 calls (980 with the cast)."""
     trainer, generator = _workers(model, dtype)
     generator.load_weights(trainer.weight_stream(), 1)  # the first injects peft's layers
     trainer.train(train_batch(), nll_loss)
@@ -81,9 +84,7 @@ def test_an_adapter_refit_of_392_tensors_is_a_handful_of_kernels(model: Path, dt
     with Kernels() as kernels:
         generator.load_weights(trainer.weight_stream(), 2)
     cast = dtype != "float32"
-    assert kernels.calls == Counter(
-        {"clone": 1, "_foreach_mul_": 1, "copy_": 1} | ({"_to_copy": 1} if cast else {})
-    )
+    assert kernels.calls == SCALED + Counter({"copy_": 1} | ({"_to_copy": 1} if cast else {}))
     loaded = generator.generator.adapter  # type: ignore[attr-defined]
     for name, tensor in sent.items():
         assert torch.equal(loaded._params[name], tensor), name
@@ -113,7 +114,7 @@ def test_an_adapter_refit_through_the_colocated_transport_packs_and_lands_in_one
             generator.receive_weights(spec, version)
         sender.join(timeout=60)
         assert not sender.is_alive()
-    assert sent.calls == Counter({"clone": 1, "_foreach_mul_": 1, "copy_": 1})
+    assert sent.calls == SCALED + Counter({"copy_": 1})
     assert received.calls == Counter({"copy_": 1})
     loaded = generator.generator.adapter  # type: ignore[attr-defined]
     for name, tensor in trainer.weight_stream():
@@ -174,3 +175,49 @@ def test_an_adapter_refit_generates_as_the_merged_weights_do(model: Path, tmp_pa
         > 1e-3
         for x, y in zip(ours, before, strict=True)
     )
+
+
+def test_a_packed_stream_is_checked_once_and_a_stream_laid_out_otherwise_still_lands(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In one process the trainer's stream is a ``PackedStream``: the generator checks its
+    layout against its own adapters once (one ``span`` walk over the 392 tensors), then copies
+    every later refit at once; a stream of the same tensors laid out with gaps is not
+    copied at once and still lands, tensor by tensor."""
+    from tandem.tensors import packed
+    from tandem.tensors.packed import PackedStream, layout_of
+
+    walks: list[int] = []
+
+    def counted(tensors: Any) -> Any:
+        walks.append(len(tensors))
+        return span(tensors)
+
+    monkeypatch.setattr(packed, "span", counted)
+    trainer, generator = _workers(model)
+    generator.load_weights(trainer.weight_stream(), 1)  # injects peft's layers
+    loaded = generator.generator.adapter  # type: ignore[attr-defined]
+    for version in (2, 3):
+        trainer.train(train_batch(), nll_loss)
+        stream = trainer.weight_stream()
+        assert isinstance(stream, PackedStream)
+        with Kernels() as kernels:
+            generator.load_weights(stream, version)
+        assert kernels.calls == Counter({"copy_": 1})
+        for name, tensor in stream:
+            assert torch.equal(loaded._params[name], tensor), name
+    assert len(walks) == 1
+    assert isinstance(stream, PackedStream)
+    views = dict(stream)
+    names = stream.names  # the same order, 3 elements apart: another layout
+    tensors = [2 * views[n] for n in names]
+    offsets = [0]
+    for tensor in tensors[:-1]:
+        offsets.append(offsets[-1] + tensor.numel() + 3)
+    flat = torch.zeros(offsets[-1] + tensors[-1].numel())
+    for tensor, at in zip(tensors, offsets, strict=True):
+        flat[at : at + tensor.numel()] = tensor.flatten()
+    generator.load_weights(PackedStream(names, layout_of(tensors, offsets), flat), 4)
+    assert len(walks) == 2  # checked, and found laid out otherwise
+    for name, tensor in zip(names, tensors, strict=True):
+        assert torch.equal(loaded._params[name], tensor), name

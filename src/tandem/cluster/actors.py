@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -126,7 +126,7 @@ class TrainerWorker:
         """Stream the weights (a collective over trainer ranks; rank 0 sends)."""
         return self.weights.send()
 
-    def weight_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weight_stream(self) -> Iterable[tuple[str, torch.Tensor]]:
         """What ``send_weights`` sends, for a generator in this process (``CopyRefit``)."""
         return self.weights.stream()
 
@@ -267,7 +267,7 @@ class GeneratorWorker:
             self._end_work()
 
     def load_weights(
-        self, stream: Iterator[tuple[str, torch.Tensor]], version: int | None = None
+        self, stream: Iterable[tuple[str, torch.Tensor]], version: int | None = None
     ) -> None:
         """``receive_weights`` of a stream in this process (``TrainerWorker.weight_stream``):
         a copy, no transport."""

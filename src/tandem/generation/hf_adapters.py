@@ -24,6 +24,7 @@ from torch import nn
 
 from tandem.adapters import split_adapter_name
 from tandem.tensors.copies import copy_tensors, pack_parameters
+from tandem.tensors.packed import PackedStream, PackedTarget
 
 ADAPTER = "tandem"
 """peft's name of the generator's one adapter."""
@@ -37,6 +38,8 @@ class PeftAdapter:
         self.rank: int | None = None
         self.modules: tuple[str, ...] = ()
         self._params: dict[str, torch.Tensor] = {}
+        self._packed = PackedTarget()
+        """Where a ``PackedStream`` lands at once (its layout checked once)."""
         self._loaded: tuple[list[str], list[torch.Tensor]] = ([], [])
         """The names of the last stream ``load`` took and their targets."""
 
@@ -78,8 +81,15 @@ class PeftAdapter:
     @torch.no_grad()
     def load(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a whole adapter stream into the LoRA layers (injecting them the first time), in
-        as few copies as the two layouts allow (``copy_tensors``: one for a stream that holds
-        the tensors back to back in this order, ``trainer.lora.Adapters.scaled_copy``)."""
+        as few copies as the two layouts allow: a ``PackedStream`` laid out as these layers
+        (``trainer.lora.Adapters.scaled_copy`` in this process) in one, looked at once per
+        layout; any other stream by ``copy_tensors`` (one copy per run of tensors that lie back
+        to back in this order)."""
+        if isinstance(stream, PackedStream) and self.rank is not None:
+            flat = self._packed.target(list(self._params), list(self._params.values()), stream)
+            if flat is not None:
+                flat.copy_(stream.flat)
+                return
         items = list(stream)
         names = [name for name, _ in items]
         if names != self._loaded[0]:  # another stream than the last: look its targets up

@@ -41,6 +41,7 @@ from tandem.generation.packed_linear import pack_linears
 from tandem.generation.static_decode import Decoder, StaticDecode
 from tandem.tensors import TargetRuns, device_copies
 from tandem.tensors.devices import DTYPES, release_device_caches
+from tandem.tensors.packed import PackedStream
 from tandem.tensors.storage_offload import StorageOffload
 
 COMPACT_AT = 0.75
@@ -470,6 +471,9 @@ class HfGenerator(Generator):
     def load_weights(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Weights in Hugging Face names, or LoRA adapters (``tandem.adapters``' names)."""
         self.wake_up()  # never write into storages emptied by sleep
+        if isinstance(stream, PackedStream) and stream.names and is_adapter_name(stream.names[0]):
+            self.adapter.load(stream)  # one copy when it lies as the generator's adapters do
+            return
         stream = iter(stream)
         first = next(stream, None)
         if first is None:

@@ -24,6 +24,7 @@ from torch import nn
 from tandem.adapters import KINDS, adapter_name
 from tandem.config.lora import LoraConfig
 from tandem.tensors.copies import span
+from tandem.tensors.packed import Layout, PackedStream, layout_of
 
 ADAPTER = "default"
 """peft's name of the one adapter the trainer trains."""
@@ -102,6 +103,9 @@ class Adapters:
         ]
         self.scalings = [float(layer.scaling[ADAPTER]) for layer in layers.values()]
         """Each layer's alpha / rank, by which its B is scaled for a refit."""
+        self._placed: list[int] = []
+        self._packed: tuple[Layout, torch.Tensor, torch.Tensor, int] | None = None
+        """``_plan()`` for the parameters' addresses ``_placed``."""
 
     def metadata(
         self, dtype: torch.dtype | None = None
@@ -128,27 +132,40 @@ class Adapters:
 
     def scaled_copy(
         self, device: torch.device, dtype: torch.dtype | None = None
-    ) -> list[tuple[str, torch.Tensor]] | None:
-        """What ``tensors(scaled=True)`` yields, in a handful of kernels, when the parameters
-        lie back to back on ``device`` in stream order (``tensors.pack_parameters``; onload keeps
-        them so): one copy of their span, one fused multiply of the B's, one cast (when
-        ``dtype`` differs), instead of a copy and a multiply per tensor. The results are views of
-        one new allocation. None when they do not lie so (FSDP2 shards, another layout)."""
+    ) -> PackedStream | None:
+        """What ``tensors(scaled=True)`` yields, as one new tensor (a ``PackedStream``), when
+        the parameters lie back to back on ``device`` in stream order
+        (``tensors.pack_parameters``; onload keeps them so): each element times its tensor's
+        scale (1 for an A) in one multiply, then one cast (when ``dtype`` differs), instead of a
+        copy and a multiply per tensor. None when they do not lie so (FSDP2 shards)."""
+        placed = [p.data_ptr() for p in self.params]
+        if placed != self._placed:  # laid out anew (an onload) or never looked at
+            self._placed, self._packed = placed, self._plan()
+        first = self.params[0]
+        if self._packed is None or first.device != device:
+            return None
+        layout, scales, lengths, numel = self._packed
+        # no device tensor is kept between refits: an offload must leave nothing behind
+        flat = torch.empty(0, dtype=first.dtype, device=device)
+        flat.set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
+        scale = torch.repeat_interleave(scales.to(device), lengths.to(device), output_size=numel)
+        # in fp32 and rounded once to the dtype sent, as ``tensors`` scales and casts
+        out = (flat * scale).to(dtype or flat.dtype)
+        return PackedStream(self.names, layout, out)
+
+    def _plan(self) -> tuple[Layout, torch.Tensor, torch.Tensor, int] | None:
+        """The adapters' layout in the span they lie in, per tensor its scale and the elements
+        it covers up to the next (its gap included), and the span's length: ``scaled_copy``'s
+        inputs (on the host)."""
         found = span(self.params)
-        if found is None or found[0].device != device:
+        if found is None:
             return None
         flat, offsets = found
-        out = flat.clone()
-        views = _views(out, self.params, offsets)
-        torch._foreach_mul_(views[1::2], self.scalings)
-        if dtype is not None and dtype != out.dtype:  # scaled first, as ``tensors``: one rounding
-            views = _views(out.to(dtype), self.params, offsets)
-        return list(zip(self.names, views, strict=True))
-
-
-def _views(flat: torch.Tensor, like: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
-    """Views of ``flat`` shaped as ``like``, starting at ``offsets`` (elements)."""
-    return [flat.as_strided(t.shape, t.stride(), at) for t, at in zip(like, offsets, strict=True)]
+        numel = flat.numel()
+        scales = [s for scaling in self.scalings for s in (1.0, scaling)]
+        lengths = [b - a for a, b in zip(offsets, [*offsets[1:], numel], strict=True)]
+        layout = layout_of(self.params, offsets)
+        return layout, torch.tensor(scales), torch.tensor(lengths), numel
 
 
 def base_name(name: str) -> str | None:

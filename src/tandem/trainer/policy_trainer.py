@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -432,16 +432,22 @@ class PolicyTrainer:
 
     def iter_adapter(
         self, dtype: torch.dtype | None = None, scaled: bool = True
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    ) -> Iterable[tuple[str, torch.Tensor]]:
         """The LoRA adapters in peft's saved names (``lora.Adapters.tensors``; ``scaled``: B
         times alpha / rank), gathered one at a time; as ``iter_weights``, only rank 0 yields.
         Scaled on a plain module: copied at once (``lora.Adapters.scaled_copy``)."""
         self._require_resident("iter_adapter")
         adapters = self._adapters()
-        copied = None
-        if scaled and not self.uses_fsdp:
+        if scaled and not self.uses_fsdp:  # one rank: a PackedStream, copied at once
             copied = adapters.scaled_copy(self.device, dtype)
-        stream = adapters.tensors(self._gather, scaled, dtype) if copied is None else copied
+            if copied is not None:
+                return copied if self.rank == 0 else iter(())
+        return self._rank_zero(adapters.tensors(self._gather, scaled, dtype))
+
+    def _rank_zero(
+        self, stream: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``stream`` run on every rank (its gathers are collectives), yielded on rank 0."""
         for name, tensor in stream:
             if self.rank == 0:
                 yield name, tensor

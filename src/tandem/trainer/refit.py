@@ -10,7 +10,7 @@ source.send()                # every rank, while the generators receive (a colle
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable
 from typing import Literal
 
 import torch
@@ -19,7 +19,7 @@ from tandem.config.models import RefitConfig
 from tandem.trainer.policy_trainer import PolicyTrainer
 from tandem.weight_sync import RefitSender, RefitSpec, make_sender, metadata_of
 
-WeightStream = Iterator[tuple[str, torch.Tensor]]
+WeightStream = Iterable[tuple[str, torch.Tensor]]
 
 
 class WeightSource:
@@ -78,7 +78,7 @@ class WeightSource:
         if self.fp8:
             from tandem.quant.fp8 import quantize_weight_stream
 
-            return quantize_weight_stream(stream)
+            return quantize_weight_stream(iter(stream))
         return stream
 
     def prepare(self) -> RefitSpec | None:
