@@ -26,8 +26,11 @@ from typing import Any
 import torch
 from aten_calls import DataCalls
 
+NARROW = Path(tempfile.gettempdir()) / "tandem-bench" / "qwen2.5-vl-3b-depths-narrow"
+"""Where ``narrow_vl`` writes its model by default."""
 
-def narrow_vl(path: Path) -> Path:
+
+def narrow_vl(path: Path = NARROW) -> Path:
     """The 3B shape's depths and windows at narrow widths, with the embedded byte tokenizer
     and its vision tokens (the real vocabulary's head would be the arithmetic here)."""
     from tandem.assets.vision import (
@@ -106,8 +109,7 @@ def main() -> None:
     from tandem.config.models import OptimizerConfig, PolicyConfig
     from tandem.trainer import PolicyTrainer
 
-    root = Path(tempfile.gettempdir()) / "tandem-bench"
-    model = narrow_vl(root / "qwen2.5-vl-3b-depths-narrow")
+    model = narrow_vl()
     config = PolicyConfig(
         model_path=model,
         micro_batch_size=args.micro_batch_size,

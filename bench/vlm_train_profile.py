@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -53,8 +52,7 @@ def main() -> None:
 
         model = model_folder("3b")
     else:
-        root = Path(tempfile.gettempdir()) / "tandem-bench"
-        model = narrow_vl(root / "qwen2.5-vl-3b-depths-narrow")
+        model = narrow_vl()
     config = PolicyConfig(
         model_path=model,
         micro_batch_size=args.micro_batch_size,
