@@ -20,6 +20,7 @@ from tandem.config.models import OptimizerConfig, PolicyConfig
 from tandem.data.batch import TrainBatch
 from tandem.tensors.devices import release_device_caches
 from tandem.trainer import PolicyTrainer
+from tandem.trainer.offload import offload_bytes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -141,10 +142,16 @@ def test_offload_frees_the_device_and_keeps_identity(
     rotary = trainer.lm.model.rotary_emb
     inv_freq = rotary.inv_freq
     weights = {name: t.detach().cpu().clone() for name, t in trainer.iter_weights()}
+    if dtype == "bfloat16":  # the host pool a run pins at start (float32: a pinned block each)
+        trainer.pin_offload_memory()
 
     trainer.offload()
     assert torch.cuda.memory_allocated() == before, live_blocks()
     assert torch.cuda.memory_reserved() <= before_reserved
+    pool = trainer._host_pool
+    if pool is not None:  # pinned at the size asked, not rounded up to a power of two
+        assert pool._buffer is not None and pool._buffer.is_pinned()
+        assert pool._buffer.numel() == offload_bytes(trainer.model, trainer.optimizer, False)
     # (a DTensor parameter gets a new local tensor; the DTensor object itself is kept)
     locals_ = [local(p) for p in params]
     assert all(t.device.type == "cpu" for t in locals_ + state_locals + [inv_freq])
