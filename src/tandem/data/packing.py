@@ -162,9 +162,9 @@ def image_patches(batch: TrainBatch, rows: torch.Tensor) -> int:
     once (0 for text)."""
     if batch.images is None:
         return 0
-    picked = [batch.images.rows[int(i)] for i in rows.tolist()]
-    distinct = {id(r): r for r in picked if r is not None}.values()
-    return sum(int(r.image_grid_thw.prod(-1).sum()) for r in distinct)
+    images = batch.images
+    used = {images.index[int(i)] for i in rows.tolist()} - {-1}
+    return sum(int(images.distinct[d].image_grid_thw.prod(-1).sum()) for d in used)
 
 
 def _layout(
