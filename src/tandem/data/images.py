@@ -279,7 +279,8 @@ def _positions(
     images on the CPU, its rows the samples of a few prompts)."""
     types = torch.where(mask.bool(), is_image.long(), -1)
     first, inverse = distinct_rows(torch.cat([types, rows.keys()[:, None].to(types.device)], 1))
-    picked = [rows.rows[i] for i in first.tolist()]
+    per_row = rows.rows
+    picked = [per_row[i] for i in first.tolist()]
     grids = [r.image_grid_thw for r in picked if r is not None]
     grid = torch.cat(grids).to(input_ids.device) if grids else None
     positions, _ = body.get_rope_index(
