@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from aten_calls import DataCalls
+from aten_calls import AtenCalls
 from ceilings import emit
 
 from tandem.algorithms.losses import nll_loss
@@ -122,7 +122,7 @@ def _each_counted(stream: Any, sent: list[int]) -> Any:
 
 def _refit_data_calls(trainer: TrainerWorker, generator: GeneratorWorker, version: int) -> int:
     """The data calls of one more refit (untimed: counting slows the calls down)."""
-    with DataCalls() as calls:
+    with AtenCalls() as calls:
         generator.load_weights(trainer.weight_stream(), version)
     return calls.count
 

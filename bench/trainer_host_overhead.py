@@ -40,8 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
+from aten_calls import AtenCalls
 from ceilings import emit
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.algorithms.losses import ClippedPolicyLoss
 from tandem.config.lora import LoraConfig
@@ -122,16 +122,6 @@ def peer_measure(
     return measure(lambda: peer_pass(lm, plan), args.repeats, sync)
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def measure(run: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> dict[str, float]:
     """Median host seconds of ``run`` (after a warm-up), its aten ops and Python calls."""
     run()
@@ -143,7 +133,7 @@ def measure(run: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> d
         sync()
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
-    with _Ops() as ops:
+    with AtenCalls(data_only=False) as ops:
         run()
     profiler = cProfile.Profile()
     profiler.runcall(run)

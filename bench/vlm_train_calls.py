@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from aten_calls import DataCalls
+from aten_calls import AtenCalls
 
 NARROW = Path(tempfile.gettempdir()) / "tandem-bench" / "qwen2.5-vl-3b-depths-narrow"
 """Where ``narrow_vl`` writes its model by default."""
@@ -131,7 +131,7 @@ def main() -> None:
             module.__class__ = batched_class if windows == "batched" else plain_class
         data = batch(model, args, images)
         trainer.train(data, nll_loss)  # warm-up
-        with DataCalls() as calls:
+        with AtenCalls() as calls:
             trainer.train(data, nll_loss)
         start = time.perf_counter()
         trainer.train(data, nll_loss)

@@ -2,12 +2,13 @@
 tensors) on CPU: a handful of kernels however many tensors, the same values as the per-tensor
 stream, and a transformers generator that then generates as one loaded from the merged weights.
 
-Kernels are counted at the dispatcher (``TorchDispatchMode``): every aten call that reads or
+Kernels are counted at the dispatcher (``bench/aten_calls.py``): every aten call that reads or
 writes tensor data, which a GPU launches as (at least) one kernel; views and allocations are
 left out."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import Counter
 from pathlib import Path
@@ -16,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 from lora_support import MERGED_ATOL, PROMPTS, encode, lora_policy, train_batch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.algorithms.losses import nll_loss
 from tandem.assets import write_random_qwen2
@@ -25,6 +25,9 @@ from tandem.config.models import GenerationConfig, RefitConfig
 from tandem.generation import SamplingParams
 from tandem.tensors import span
 from tandem.trainer import PolicyTrainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from aten_calls import AtenCalls
 
 SHAPE = dict(
     hidden_size=64,
@@ -37,22 +40,6 @@ NUM_ADAPTERS = 28 * 7 * 2
 SCALED = Counter({"repeat_interleave": 1, "index_select": 1, "mul": 1})
 """The trainer's scaled copy: a per-element scale (1 for each A; repeat_interleave gathers it by
 index) and one multiply, whatever the number of adapters."""
-NO_DATA = {"empty", "empty_like", "empty_strided", "set_", "lift_fresh", "from_file"}
-"""Aten calls that are not views yet touch no tensor data (``from_file`` maps shared memory)."""
-
-
-class Kernels(TorchDispatchMode):
-    """Counts the aten calls that read or write tensor data, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = func.overloadpacket.__name__
-        if not func.is_view and name not in NO_DATA:
-            self.calls[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +68,7 @@ def test_an_adapter_refit_of_392_tensors_is_a_handful_of_kernels(model: Path, dt
     trainer.train(train_batch(), nll_loss)
     sent = dict(trainer.weight_stream())
     assert len(sent) == NUM_ADAPTERS
-    with Kernels() as kernels:
+    with AtenCalls() as kernels:
         generator.load_weights(trainer.weight_stream(), 2)
     cast = dtype != "float32"
     assert kernels.calls == SCALED + Counter({"copy_": 1} | ({"_to_copy": 1} if cast else {}))
@@ -102,15 +89,15 @@ def test_an_adapter_refit_through_the_colocated_transport_packs_and_lands_in_one
     for version in (1, 2):  # the first injects peft's layers
         trainer.train(train_batch(), nll_loss)
         spec = trainer.prepare_refit()
-        sent = Kernels()
+        sent = AtenCalls()
 
-        def send(counter: Kernels = sent) -> None:
+        def send(counter: AtenCalls = sent) -> None:
             with counter:  # dispatch modes are per thread
                 trainer.send_weights()
 
         sender = threading.Thread(target=send)
         sender.start()
-        with Kernels() as received:
+        with AtenCalls() as received:
             generator.receive_weights(spec, version)
         sender.join(timeout=60)
         assert not sender.is_alive()
@@ -201,7 +188,7 @@ def test_a_packed_stream_is_checked_once_and_a_stream_laid_out_otherwise_still_l
         trainer.train(train_batch(), nll_loss)
         stream = trainer.weight_stream()
         assert isinstance(stream, PackedStream)
-        with Kernels() as kernels:
+        with AtenCalls() as kernels:
             generator.load_weights(stream, version)
         assert kernels.calls == Counter({"copy_": 1})
         for name, tensor in stream:

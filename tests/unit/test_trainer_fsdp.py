@@ -6,6 +6,7 @@ agree to rel 1e-5 and weights after AdamW steps to 1e-5 absolute.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,12 @@ import pytest
 import torch
 from test_trainer_support import make_batch, policy, spawn, token_nll, write_tiny_qwen2
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.trainer import PolicyTrainer, parallelize, policy_trainer
 from tandem.trainer.offload import _fsdp_params, move_state
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from aten_calls import AtenCalls
 
 # 7 rows: rank 0 gets 5 (3 micro-batches of 2), rank 1 gets 2 (1, padded with 2 fillers)
 SHARDS = (slice(0, 5), slice(5, 7))
@@ -199,16 +202,6 @@ def test_one_rank_fsdp_streams_its_shards_without_a_gather(model_dir: Path, tmp_
     assert "model.embed_tokens.weight" in result["names"]
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _gathered_or_not(rank: int, world_size: int, model_dir: str, out: str) -> None:
     """One rank, mixed precision and checkpointing, 4 micro-batches a step: the parameters kept
     gathered through a step (the default on one rank), then resharded after every forward and
@@ -222,7 +215,7 @@ def _gathered_or_not(rank: int, world_size: int, model_dir: str, out: str) -> No
             parallelize.stays_gathered = policy_trainer.stays_gathered = lambda *_: False
         trainer = PolicyTrainer(config, rank, world_size)
         steps = [trainer.train(make_batch(seed=seed, size=7), token_nll) for seed in range(2)]
-        with _Ops() as ops:
+        with AtenCalls(data_only=False) as ops:
             trainer.train(make_batch(seed=2, size=7), token_nll)
         results[gathered] = {
             "steps": steps,
