@@ -97,7 +97,7 @@ class StorageOffload:
             for size in self.sizes:
                 starts.append(starts[-1] + -(-size // HOST_ALIGN) * HOST_ALIGN)
             whole = pinned_bytes(starts[-1]) if pin else torch.empty(starts[-1], dtype=torch.uint8)
-            self.host = [whole[at : at + n] for at, n in zip(starts, self.sizes, strict=False)]
+            self.host = [whole[at : at + n] for at, n in zip(starts[:-1], self.sizes, strict=True)]
         start = time.perf_counter()
         for holder, size, host in zip(self.holders, self.sizes, self.host, strict=True):
             host.copy_(self._bytes(holder, size), non_blocking=pin)

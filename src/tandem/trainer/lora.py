@@ -148,7 +148,11 @@ class Adapters:
         # no device tensor is kept between refits: an offload must leave nothing behind
         flat = torch.empty(0, dtype=first.dtype, device=device)
         flat.set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
-        scale = torch.repeat_interleave(scales.to(device), lengths.to(device), output_size=numel)
+        scale = torch.repeat_interleave(
+            scales.to(device, non_blocking=True),
+            lengths.to(device, non_blocking=True),
+            output_size=numel,  # no wait for the device to learn the length
+        )
         # in fp32 and rounded once to the dtype sent, as ``tensors`` scales and casts
         out = (flat * scale).to(dtype or flat.dtype)
         return PackedStream(self.names, layout, out)
@@ -165,7 +169,9 @@ class Adapters:
         scales = [s for scaling in self.scalings for s in (1.0, scaling)]
         lengths = [b - a for a, b in zip(offsets, [*offsets[1:], numel], strict=True)]
         layout = layout_of(self.params, offsets)
-        return layout, torch.tensor(scales), torch.tensor(lengths), numel
+        pin = flat.is_cuda  # pinned: copied to the device without waiting for its queue
+        on_host = [torch.tensor(values, pin_memory=pin) for values in (scales, lengths)]
+        return layout, on_host[0], on_host[1], numel
 
 
 def base_name(name: str) -> str | None:
