@@ -23,6 +23,7 @@ import torch
 
 from tandem.data.images import RowImages, distinct_rows, is_vision_model, vision_inputs
 from tandem.vision_attention import batch_vision_windows
+from tandem.vision_mlp import align_vision_mlps
 
 
 class ImagePrefill:
@@ -86,4 +87,5 @@ def load_generation_model(model_path: str, dtype: torch.dtype) -> Any:
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype)
     batch_vision_windows(model)  # the tower's windows in one attention call per length
+    align_vision_mlps(model)  # its MLP's width padded for the GPU's fast matmuls
     return model

@@ -48,6 +48,7 @@ from tandem.trainer.parallelize import (
 from tandem.trainer.schedule import build_optimizer
 from tandem.trainer.weights import full_tensor, hf_state
 from tandem.vision_attention import batch_vision_windows
+from tandem.vision_mlp import align_vision_mlps
 
 
 def vision_patch_cost(lm: Any) -> float:
@@ -96,6 +97,7 @@ def _load_lm(config: PolicyConfig) -> Any:
 
         lm = AutoModelForImageTextToText.from_pretrained(str(path), dtype=DTYPES[config.dtype])
         batch_vision_windows(lm)  # the tower's windows in one attention call per length
+        align_vision_mlps(lm)  # its MLP's width padded for the GPU's fast matmuls
         return lm
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[config.dtype])
 
