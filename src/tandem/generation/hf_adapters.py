@@ -49,7 +49,7 @@ class PeftAdapter:
         modules = tuple(dict.fromkeys(split_adapter_name(name)[0] for name, _ in metas))
         rank = next(int(m.shape[0]) for n, m in metas if split_adapter_name(n)[1] == "lora_A")
         if self.rank is None:
-            self._inject(modules, rank)
+            self._inject(modules, rank, [name for name, _ in metas])
         elif (modules, rank) != (self.modules, self.rank):
             raise ValueError(
                 f"adapter refit of rank {rank} over {len(modules)} modules; the generator took "
@@ -63,17 +63,22 @@ class PeftAdapter:
             out.append(target)
         return out
 
-    def _inject(self, modules: tuple[str, ...], rank: int) -> None:
+    def _inject(self, modules: tuple[str, ...], rank: int, names: list[str]) -> None:
+        """peft's layers on ``modules``, their A and B laid out in the order of ``names``
+        (the stream's)."""
         from peft import LoraConfig, inject_adapter_in_model
 
         config = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(modules), bias="none")
         inject_adapter_in_model(config, self.model, adapter_name=ADAPTER)
         self.model.requires_grad_(False)
+        found = {}
         for module in modules:
             layer: Any = self.model.get_submodule(module)
             for kind in ("lora_A", "lora_B"):
                 weight = getattr(layer, kind)[ADAPTER].weight
-                self._params[f"base_model.model.{module}.{kind}.weight"] = weight
+                found[f"base_model.model.{module}.{kind}.weight"] = weight
+        self._params = {name: found[name] for name in names if name in found}
+        self._params.update(found)  # any the stream did not name (targets() then refuses it)
         params = list(self._params.values())
         pack_parameters(params, params[0].device)
         self.rank, self.modules = rank, modules

@@ -91,20 +91,24 @@ def lora_layers(lm: nn.Module) -> dict[str, Any]:
 
 class Adapters:
     """The adapters of the LoRA layers peft injected into ``lm``, in the order a refit streams
-    them (each layer's A then B, the layers in model order), found once: built after the model
-    is parallelised, its parameters stay the same objects (offload and onload swap their data in
-    place; FSDP2 keeps its sharded parameters), so no refit walks the model's modules again."""
+    them (every layer's A, then every layer's B, the layers in model order), found once: built
+    after the model is parallelised, its parameters stay the same objects (offload and onload
+    swap their data in place; FSDP2 keeps its sharded parameters), so no refit walks the
+    model's modules again. The B's come last so that the part a refit scales is one span."""
 
     def __init__(self, lm: nn.Module) -> None:
         layers = lora_layers(lm)
-        self.names = [adapter_name(name, kind) for name in layers for kind in KINDS]
+        self.names = [adapter_name(name, kind) for kind in KINDS for name in layers]
         self.params: list[torch.Tensor] = [
-            getattr(layer, kind)[ADAPTER].weight for layer in layers.values() for kind in KINDS
+            getattr(layer, kind)[ADAPTER].weight for kind in KINDS for layer in layers.values()
         ]
-        self.scalings = [float(layer.scaling[ADAPTER]) for layer in layers.values()]
-        """Each layer's alpha / rank, by which its B is scaled for a refit."""
+        scalings = {float(layer.scaling[ADAPTER]) for layer in layers.values()}
+        if len(scalings) > 1:  # policy.lora has one rank and one alpha
+            raise ValueError(f"LoRA layers of several scalings {sorted(scalings)}: one expected")
+        self.scaling = scalings.pop() if scalings else 1.0
+        """alpha / rank, by which every B is scaled for a refit."""
         self._placed: list[int] = []
-        self._packed: tuple[Layout, torch.Tensor, torch.Tensor, int] | None = None
+        self._packed: tuple[Layout, int, int] | None = None
         """``_plan()`` for the parameters' addresses ``_placed``."""
 
     def metadata(
@@ -119,59 +123,48 @@ class Adapters:
     def tensors(
         self, gather: Gather, scaled: bool, dtype: torch.dtype | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each layer's A then B in peft's saved names, gathered one at a time. ``scaled``: B
-        times the layer's scaling (alpha / rank), so a receiver applies ``B @ A`` as it is,
-        whatever alpha was (refits); unscaled is what peft saves (exports)."""
-        params, names = self.params, self.names
-        for i, scaling in enumerate(self.scalings):
-            a, b = gather(params[2 * i]), gather(params[2 * i + 1])
-            if scaled:
-                b = b * scaling
-            for name, tensor in ((names[2 * i], a), (names[2 * i + 1], b)):
-                yield name, tensor if dtype is None else tensor.to(dtype)
+        """Every A then every B in peft's saved names, gathered one at a time. ``scaled``: B
+        times alpha / rank, so a receiver applies ``B @ A`` as it is, whatever alpha was
+        (refits); unscaled is what peft saves (exports)."""
+        first_b = len(self.params) // 2
+        for i, (name, param) in enumerate(zip(self.names, self.params, strict=True)):
+            tensor = gather(param)
+            if scaled and i >= first_b:
+                tensor = tensor * self.scaling
+            yield name, tensor if dtype is None else tensor.to(dtype)
 
     def scaled_copy(
         self, device: torch.device, dtype: torch.dtype | None = None
     ) -> PackedStream | None:
         """What ``tensors(scaled=True)`` yields, as one new tensor (a ``PackedStream``), when
         the parameters lie back to back on ``device`` in stream order
-        (``tensors.pack_parameters``; onload keeps them so): each element times its tensor's
-        scale (1 for an A) in one multiply, then one cast (when ``dtype`` differs), instead of a
-        copy and a multiply per tensor. None when they do not lie so (FSDP2 shards)."""
+        (``tensors.pack_parameters``; onload keeps them so): the A's copied and the B's
+        multiplied by the scaling, each in one call that also casts (when ``dtype`` differs),
+        instead of a copy and a multiply per tensor. None when they do not lie so (FSDP2
+        shards)."""
         placed = [p.data_ptr() for p in self.params]
         if placed != self._placed:  # laid out anew (an onload) or never looked at
             self._placed, self._packed = placed, self._plan()
         first = self.params[0]
         if self._packed is None or first.device != device:
             return None
-        layout, scales, lengths, numel = self._packed
-        # no device tensor is kept between refits: an offload must leave nothing behind
+        layout, split, numel = self._packed
         flat = torch.empty(0, dtype=first.dtype, device=device)
         flat.set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
-        scale = torch.repeat_interleave(
-            scales.to(device, non_blocking=True),
-            lengths.to(device, non_blocking=True),
-            output_size=numel,  # no wait for the device to learn the length
-        )
-        # in fp32 and rounded once to the dtype sent, as ``tensors`` scales and casts
-        out = (flat * scale).to(dtype or flat.dtype)
+        out = torch.empty(numel, dtype=dtype or flat.dtype, device=device)
+        out[:split].copy_(flat[:split])
+        # in the parameters' dtype and rounded once to the dtype sent, as ``tensors`` does
+        torch.mul(flat[split:], self.scaling, out=out[split:])
         return PackedStream(self.names, layout, out)
 
-    def _plan(self) -> tuple[Layout, torch.Tensor, torch.Tensor, int] | None:
-        """The adapters' layout in the span they lie in, per tensor its scale and the elements
-        it covers up to the next (its gap included), and the span's length: ``scaled_copy``'s
-        inputs (on the host)."""
+    def _plan(self) -> tuple[Layout, int, int] | None:
+        """The adapters' layout in the span they lie in, the element where the first B starts,
+        and the span's length: ``scaled_copy``'s inputs."""
         found = span(self.params)
         if found is None:
             return None
         flat, offsets = found
-        numel = flat.numel()
-        scales = [s for scaling in self.scalings for s in (1.0, scaling)]
-        lengths = [b - a for a, b in zip(offsets, [*offsets[1:], numel], strict=True)]
-        layout = layout_of(self.params, offsets)
-        pin = flat.is_cuda  # pinned: copied to the device without waiting for its queue
-        on_host = [torch.tensor(values, pin_memory=pin) for values in (scales, lengths)]
-        return layout, on_host[0], on_host[1], numel
+        return layout_of(self.params, offsets), offsets[len(offsets) // 2], flat.numel()
 
 
 def base_name(name: str) -> str | None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -192,18 +192,25 @@ def move_module(
     device: torch.device,
     pool: HostPool | None = None,
     trainable_only: bool = False,
+    first: Sequence[torch.Tensor] = (),
 ) -> None:
     """Parameters, their gradients and buffers of ``module`` to ``device``, in place;
     ``trainable_only``: the parameters that require gradients (and theirs) alone, the frozen
-    ones and the buffers stay where they are (a LoRA policy's base)."""
+    ones and the buffers stay where they are (a LoRA policy's base). ``first``: parameters
+    laid out ahead of the other trainable ones, in this order (a LoRA policy's adapters in
+    the order a refit streams them)."""
     fsdp_params = _fsdp_params(module)
     if trainable_only:
         fsdp_params = [fp for fp in fsdp_params if fp.sharded_param.requires_grad]
     if fsdp_params:
         reshard(module)  # a gathered module registers its unsharded parameters instead
-    # the trainable ones first, in model order: a LoRA policy's adapters come back back to back
-    # in the order a refit streams them (``lora.Adapters.scaled_copy``)
-    params = sorted(_parameters(module, trainable_only), key=lambda p: not p.requires_grad)
+    # the trainable ones first, ``first`` ahead, then model order: a LoRA policy's adapters come
+    # back back to back in the order a refit streams them (``lora.Adapters.scaled_copy``)
+    ahead = {id(p): i for i, p in enumerate(first)}
+    params = sorted(
+        _parameters(module, trainable_only),
+        key=lambda p: (not p.requires_grad, ahead.get(id(p), len(ahead))),
+    )
     with torch.no_grad():
         # The parameters' data, from FSDP2's padded shards or the parameters themselves.
         sources: list[torch.Tensor] = [fp._sharded_param_data for fp in fsdp_params]
@@ -261,6 +268,7 @@ def move_state(
     include_parameters: bool = True,
     pool: HostPool | None = None,
     trainable_only: bool = False,
+    first: Sequence[torch.Tensor] = (),
 ) -> None:
     """Module and optimizer state to ``device``; returns once every copy has landed. Moving to
     the host also hands cached device memory back (``release_device_caches``); its host
@@ -269,7 +277,8 @@ def move_state(
     ``include_parameters=False`` moves just the buffers (FSDP2 CPU offload keeps parameters,
     gradients and optimizer state on the host already). ``trainable_only`` moves the
     parameters that require gradients, their gradients and the optimizer state, and leaves the
-    frozen parameters and the buffers (``policy.lora.offload_base=false``)."""
+    frozen parameters and the buffers (``policy.lora.offload_base=false``). ``first``: as
+    ``move_module``'s."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if pool is not None and device.type == "cpu":
@@ -279,7 +288,7 @@ def move_state(
     else:
         if device.type == "cuda":
             reserve_segment(device, _host_bytes(module, optimizer))
-        move_module(module, device, pool, trainable_only)
+        move_module(module, device, pool, trainable_only, first)
         if optimizer is not None:
             move_optimizer(optimizer, device, pool)
     if torch.cuda.is_available():

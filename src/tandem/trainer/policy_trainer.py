@@ -182,7 +182,7 @@ class PolicyTrainer:
         """The LoRA adapters in a refit's order (``lora.Adapters``); None without LoRA."""
         if self.adapters is not None and not self.uses_fsdp:
             # back to back in stream order: an adapter refit copies them at once (onload keeps
-            # them so: ``offload.move_module`` lays the trainable parameters out first)
+            # them so: ``offload.move_module`` lays them out first, in this order)
             pack_parameters(self.adapters.params, self.device)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -562,5 +562,6 @@ class PolicyTrainer:
             self.device,
             include_parameters=not self.config.cpu_offload,
             trainable_only=self._offloads_adapters_only,
+            first=self.adapters.params if self.adapters is not None else (),
         )
         self.resident = True
