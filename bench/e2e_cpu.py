@@ -191,8 +191,16 @@ def run_tandem(
 
 
 def run_trl(
-    name: str, model: Path, prompts: Path, python: Path, index: int, lora: int, lr: float
+    name: str,
+    model: Path,
+    prompts: Path,
+    python: Path,
+    index: int,
+    lora: int,
+    lr: float,
+    extra: tuple[str, ...] = (),
 ) -> Run:
+    """``trl_peer.py`` on the workload (with the ``extra`` arguments) under ``python``."""
     from tandem.config.lora import LINEAR_PROJECTIONS
 
     work = WORKLOADS[name]
@@ -210,6 +218,7 @@ def run_trl(
         f"--lr={lr}",
         f"--label={name}-{index}",
         *([*peft, *LINEAR_PROJECTIONS] if lora else []),
+        *extra,
     ]
     start = time.perf_counter()
     out = subprocess.run(command, capture_output=True, text=True)

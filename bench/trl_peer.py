@@ -12,6 +12,14 @@ Run by ``e2e_cpu.py`` (in a scratch venv it builds: TRL is not a tandem dependen
 ``--lora-rank`` trains peft LoRA adapters (``GRPOTrainer(peft_config=...)``) on the modules
 ``--lora-targets`` names (the callers pass tandem's ``policy.lora`` default: every linear
 projection of the decoder layers).
+
+``--image-key KEY`` (``vlm_trl_cpu.py``) reads image prompts: each row's ``KEY`` is an image
+path relative to the prompts file. The rows become what TRL's GRPOTrainer takes for a
+vision-language model: conversational prompts (one user message) beside an ``image`` column of
+``datasets``' Image feature, with the model's own processor (``AutoProcessor``) as the
+processing class. A processor without a chat template (tandem's embedded model) gets
+``PLAIN_TEMPLATE``: the image's tokens, then the text, no role markers, the token ids of
+tandem's image prompts (which apply no chat template).
 """
 
 from __future__ import annotations
@@ -27,6 +35,31 @@ BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
 
 
+PLAIN_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}{%- endfor -%}"
+)
+"""A chat template that lays out a message as tandem lays out an image prompt: each image's
+``<|vision_start|> <|image_pad|> <|vision_end|>`` (the processor repeats the pad once per merged
+patch), then the text."""
+
+
+def text_of(value: Any) -> str:
+    """A prompt or completion as text: a string as is; a conversation's (list of messages)
+    text parts joined (TRL passes conversational prompts and completions as messages)."""
+    if isinstance(value, str):
+        return value
+    parts = [message["content"] for message in value]
+    return "".join(
+        p if isinstance(p, str) else "".join(b["text"] for b in p if b.get("type") == "text")
+        for p in parts
+    )
+
+
 def reward_function(name: str) -> Any:
     """A TRL reward function (completions + dataset columns -> scores) around a tandem one."""
     if name == "exact_match":
@@ -34,8 +67,9 @@ def reward_function(name: str) -> Any:
     else:
         from e2e_rewards import digit_fraction as score
 
-    def reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list:
-        return [score(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
+    def reward(prompts: list, completions: list, answer: list[str], **_: Any) -> list:
+        pairs = zip(prompts, completions, answer, strict=True)
+        return [score(text_of(p), text_of(c), a) for p, c, a in pairs]
 
     reward.__name__ = name
     return reward
@@ -57,6 +91,36 @@ def lora_config(rank: int, alpha: int, targets: list[str]) -> Any:
         bias="none",
         task_type="CAUSAL_LM",
     )
+
+
+def image_dataset(rows: list[dict[str, Any]], prompts: Path, key: str, text_key: str) -> Any:
+    """TRL's form of image prompts: ``prompt`` (the row's ``text_key``) as one user message,
+    ``image`` (the row's ``key``, a path relative to ``prompts``) cast to ``datasets``' Image
+    feature."""
+    from datasets import Dataset, Image
+
+    out = [
+        {
+            **{k: v for k, v in row.items() if k not in (key, text_key)},
+            "prompt": [{"role": "user", "content": row[text_key]}],
+            "image": str((prompts.parent / row[key]).resolve()),
+        }
+        for row in rows
+    ]
+    return Dataset.from_list(out).cast_column("image", Image())
+
+
+def processing_class(model: str, images: bool) -> Any:
+    """The model's tokenizer, or for image prompts its processor (``AutoProcessor``), given
+    ``PLAIN_TEMPLATE`` when it has no chat template."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    if not images:
+        return AutoTokenizer.from_pretrained(model)
+    processor = AutoProcessor.from_pretrained(model)
+    if getattr(processor, "chat_template", None) is None:
+        processor.chat_template = PLAIN_TEMPLATE
+    return processor
 
 
 def main() -> None:
@@ -82,12 +146,17 @@ def main() -> None:
     parser.add_argument(
         "--model-dtype", choices=["float32", "bfloat16"], default="float32", help="load dtype"
     )
+    parser.add_argument(
+        "--image-key", default=None, help="image prompts: the column of image paths"
+    )
+    parser.add_argument("--prompt-key", default="prompt", help="image prompts: the text column")
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--label", default="trl")
     args = parser.parse_args()
 
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line]
@@ -105,7 +174,7 @@ def main() -> None:
         max_completion_length=args.max_tokens,
         learning_rate=args.lr,
         max_steps=args.steps,
-        temperature=1.0,
+        temperature=args.temperature,
         beta=0.0,
         logging_steps=1,
         report_to="none",
@@ -126,13 +195,16 @@ def main() -> None:
             record = {"figure": "trl_step_s", "label": args.label, "step": len(stamps) - 1}
             print(json.dumps({**record, "value": round(stamps[-1] - stamps[-2], 4)}), flush=True)
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompts = Path(args.prompts)
+    dataset = Dataset.from_list(rows)
+    if args.image_key:
+        dataset = image_dataset(rows, prompts, args.image_key, args.prompt_key)
     trainer = GRPOTrainer(
         model=args.model,
         reward_funcs=[reward_function(args.reward)],
         args=config,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
+        train_dataset=dataset,
+        processing_class=processing_class(args.model, images=args.image_key is not None),
         callbacks=[StepClock()],
         peft_config=lora_config(args.lora_rank, args.lora_alpha, args.lora_targets),
     )
