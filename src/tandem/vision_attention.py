@@ -93,20 +93,29 @@ def _batchable(module: nn.Module) -> bool:
     )
 
 
+def patch_tower_blocks(
+    model: nn.Module, attr: str, fits: Any, forward: Any, prefix: str, made: dict[type, type]
+) -> int:
+    """Give the ``attr`` module of every block of ``model``'s vision tower (``model`` a
+    vision-language model, or its tower itself) that ``fits`` the ``forward``: its class becomes
+    a subclass of its own named ``prefix`` + its name (kept in ``made``), so parameters, names
+    and state dicts stay as they are. Returns how many (0: no tower, or none fits)."""
+    tower = getattr(getattr(model, "model", None), "visual", model)
+    changed = 0
+    for block in getattr(tower, "blocks", None) or []:
+        module = getattr(block, attr, None)
+        if module is None or type(module) in made.values() or not fits(module):
+            continue
+        base = type(module)
+        if base not in made:
+            made[base] = type(f"{prefix}{base.__name__}", (base,), {"forward": forward})
+        module.__class__ = made[base]
+        changed += 1
+    return changed
+
+
 def batch_vision_windows(model: nn.Module) -> int:
     """Give the vision tower's attention modules of ``model`` (a vision-language model, or its
     tower itself) the batched forward; returns how many (0: no tower, flash attention, or
     modules of another kind)."""
-    tower = getattr(getattr(model, "model", None), "visual", model)
-    blocks = getattr(tower, "blocks", None) or []
-    changed = 0
-    for block in blocks:
-        attn = getattr(block, "attn", None)
-        if attn is None or type(attn) in _BATCHED.values() or not _batchable(attn):
-            continue
-        base = type(attn)
-        if base not in _BATCHED:
-            _BATCHED[base] = type(f"Batched{base.__name__}", (base,), {"forward": _batched_forward})
-        attn.__class__ = _BATCHED[base]
-        changed += 1
-    return changed
+    return patch_tower_blocks(model, "attn", _batchable, _batched_forward, "Batched", _BATCHED)

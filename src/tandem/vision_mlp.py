@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.vision_attention import patch_tower_blocks
+
 ALIGN_BYTES = 16
 """The stride alignment cuBLAS's Hopper kernels need."""
 
@@ -74,15 +76,4 @@ def _gated(module: nn.Module) -> bool:
 def align_vision_mlps(model: nn.Module) -> int:
     """Give the vision tower's gated MLP modules of ``model`` (a vision-language model, or its
     tower itself) the padded forward; returns how many (0: no tower, or MLPs of another kind)."""
-    tower = getattr(getattr(model, "model", None), "visual", model)
-    changed = 0
-    for block in getattr(tower, "blocks", None) or []:
-        mlp = getattr(block, "mlp", None)
-        if mlp is None or type(mlp) in _ALIGNED.values() or not _gated(mlp):
-            continue
-        base = type(mlp)
-        if base not in _ALIGNED:
-            _ALIGNED[base] = type(f"Aligned{base.__name__}", (base,), {"forward": _aligned_forward})
-        mlp.__class__ = _ALIGNED[base]
-        changed += 1
-    return changed
+    return patch_tower_blocks(model, "mlp", _gated, _aligned_forward, "Aligned", _ALIGNED)

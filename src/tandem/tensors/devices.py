@@ -8,6 +8,25 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 """The torch dtype of each dtype name a config may give."""
 
 
+class _DeviceBytes:
+    """``__cuda_array_interface__`` of bytes at a device address, so torch views them."""
+
+    def __init__(self, ptr: int, size: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def device_bytes(ptr: int, size: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over ``size`` bytes of CUDA memory at ``ptr``, without a copy; it owns
+    nothing (whoever allocated the bytes keeps them alive while it is used)."""
+    return torch.as_tensor(_DeviceBytes(ptr, size), device=device)
+
+
 def default_device(rank: int = 0) -> torch.device:
     """The CUDA device of local rank ``rank`` (ranks wrap around the visible devices), else the
     CPU."""

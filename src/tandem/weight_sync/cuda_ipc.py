@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from tandem.tensors.devices import device_bytes
+
 HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 1
 
@@ -99,19 +101,6 @@ class SegmentTable:
         return self.ids[segment.base], ptr - segment.base, True
 
 
-class _Mapped:
-    """``__cuda_array_interface__`` of a mapped segment, so torch can view it without a copy."""
-
-    def __init__(self, ptr: int, size: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (size,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 3,
-            "strides": None,
-        }
-
-
 def open_segment(handle: bytes, size: int, device: torch.device) -> tuple[int, torch.Tensor]:
     """Map a sender's segment: (the pointer to close later, a uint8 tensor over its bytes)."""
     raw = _Handle.from_buffer_copy(handle)
@@ -121,7 +110,7 @@ def open_segment(handle: bytes, size: int, device: torch.device) -> tuple[int, t
             _driver().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), raw, _LAZY_ENABLE_PEER_ACCESS),
             "cuIpcOpenMemHandle",
         )
-        return ptr.value, torch.as_tensor(_Mapped(ptr.value, size), device=device)
+        return ptr.value, device_bytes(ptr.value, size, device)
 
 
 def close_segment(ptr: int, device: torch.device) -> None:
