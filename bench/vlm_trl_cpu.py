@@ -105,13 +105,14 @@ def with_pillow(python: Path) -> Path:
 
 
 def last_error(text: str) -> str:
-    """The last exception's first line and the next one (transformers' import errors put the
-    reason on the second), from a traceback."""
+    """The last exception of a traceback: its type and first sentence (transformers' import
+    errors wrap it over lines)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     starts = [i for i, line in enumerate(lines) if re.match(r"^[\w.]+(Error|Exception)\b", line)]
     if not starts:
         return lines[-1] if lines else ""
-    return " ".join(lines[starts[-1] : starts[-1] + 2])
+    message = " ".join(lines[starts[-1] : starts[-1] + 3])
+    return message.split(". ")[0].rstrip(".") + "."
 
 
 def trl_versions(python: Path) -> dict[str, str]:
@@ -164,7 +165,8 @@ def machine() -> dict:
 
 
 def control(pythons: dict[str, Path], root: Path, index: int, runs: dict[str, list[Run]]) -> None:
-    """e2e_cpu's ``short`` text workload with TRL under each venv (the torch builds' ratio)."""
+    """e2e_cpu's ``short`` text workload with TRL under each venv (the torch builds' ratio),
+    in the opposite order every other round."""
     from tandem.assets import DEFAULT_MODEL_DIR
 
     work = e2e_cpu.WORKLOADS["short"]
@@ -173,7 +175,9 @@ def control(pythons: dict[str, Path], root: Path, index: int, runs: dict[str, li
     prompts = e2e_cpu.prompts_file(
         DEFAULT_MODEL_DIR, int(work["prompts"]), int(work["steps"]), folder
     )
-    for venv, python in pythons.items():
+    order = list(pythons) if index % 2 == 0 else list(pythons)[::-1]
+    for venv in order:
+        python = pythons[venv]
         run = run_trl("short", DEFAULT_MODEL_DIR, prompts, python, index, 0, float(work["lr"]))
         runs[venv].append(run)
         emit({**run_line("short", f"trl_{venv}", index, run), "figure": "vlm_trl_cpu_control"})
@@ -248,6 +252,7 @@ def main() -> None:
     emit(summary(runs, loads, versions))
     if args.venv_control:
         cpu, vision = (statistics.median(r[0] for r in checks[k]) for k in ("cpu", "vision"))
+        ratios = [v[0] / c[0] for c, v in zip(checks["cpu"], checks["vision"], strict=True)]
         emit(
             {
                 "figure": "vlm_trl_cpu_control_ratio",
@@ -255,6 +260,8 @@ def main() -> None:
                 "trl_cpu_torch_step_s": round(cpu, 4),
                 "trl_pypi_torch_step_s": round(vision, 4),
                 "pypi_over_cpu": round(vision / cpu, 3),
+                "round_ratios": [round(r, 3) for r in ratios],
+                "median_round_ratio": round(statistics.median(ratios), 3),
             }
         )
 
