@@ -305,6 +305,7 @@ def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
             "onload_s": round(on_s, 4),
             **parts,  # the copies alone, freeing, allocating: what the rest of the time is
             "storages": len(trainer._offload.sizes),
+            "copies": trainer._offload.copies,  # storages back to back move in one copy
             "pinned_d2h_gb_s": round(ceiling_bytes / d2h / 1e9, 2),
             "pinned_h2d_gb_s": round(ceiling_bytes / h2d / 1e9, 2),
             "offload_of_ceiling": round(d2h / ceiling_bytes * moved / off_s, 3),

@@ -252,3 +252,38 @@ def test_exact_size_pinned_memory_is_page_locked_and_copies_both_ways() -> None:
     back.copy_(device, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(back, host)
+
+
+def test_storage_offload_moves_storages_carved_back_to_back_in_one_copy() -> None:
+    """From the second offload on, the large storages that onload carved in order move in one
+    copy each way (the small pool's in few), every value and object kept; a tensor allocated
+    between the rounds is not touched."""
+    from tandem.tensors.storage_offload import StorageOffload
+
+    torch.manual_seed(0)
+    cuda = torch.device("cuda")  # no index: the offload takes the current device's
+    large = [torch.randn(3 * 2**18 + 7 * i + 1, device=cuda) for i in range(20)]  # ~3 MiB
+    small = [torch.randn(100 + i, device=cuda) for i in range(5)]
+    views = [t[1:5] for t in large]
+    values = [t.clone() for t in large + small]
+    ids = [id(t) for t in large + small + views]
+    before = torch.randn(2**22, device=cuda)  # 16 MiB: a segment of its own, none left over
+    previous = None
+    for round_ in range(3):
+        offload = StorageOffload(large + small + views, cuda, previous=previous)
+        assert len(offload.holders) == 25
+        offload.offload()
+        release_device_caches()  # as the trainers do after an offload
+        bystander = torch.randn(2**22, device=cuda)
+        kept = [bystander.clone(), before.clone()]
+        offload.onload()
+        if round_:
+            assert offload.copies["offload"] <= 1 + 5 and offload.copies["onload"] <= 1 + 5
+            assert offload.host is previous.host
+        assert torch.equal(bystander, kept[0]) and torch.equal(before, kept[1])
+        for tensor, value in zip(large + small, values, strict=True):
+            assert torch.equal(tensor, value)
+        assert [id(t) for t in large + small + views] == ids
+        previous = offload
+    views[0][0] = 7.0
+    assert large[0][1] == 7.0

@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from tandem.tensors.storage_offload import StorageOffload, attribute_tensors
+from tandem.tensors.storage_offload import StorageOffload, attribute_tensors, copy_runs
 from tandem.trainer.vocab_parallel import token_logprobs
 
 
@@ -114,6 +114,38 @@ def test_storage_offload_discards_gradient_buffers_and_reuses_host_memory() -> N
     torch.testing.assert_close(params, torch.arange(6.0))
     again = StorageOffload([params], torch.device("cpu"), previous=first)
     assert again.host is first.host
+
+
+def test_copy_runs_join_storages_one_block_apart_on_both_sides() -> None:
+    """Storage i + 1 joins i's copy only where both sides put it exactly i's 512-byte block
+    after i: a gap any larger (another block between), a different order or a host layout
+    that differs starts a new copy."""
+    sizes = [1000, 512, 3, 2048, 100]
+    host = [0, 1024, 1536, 2048, 4096]  # each size rounded up to 512, back to back
+    assert copy_runs([10_240 + h for h in host], host, sizes) == [range(0, 5)]
+    device = [0, 1024, 1536 + 512, 2048 + 512, 4096 + 512]  # a block between 1 and 2
+    assert copy_runs(device, host, sizes) == [range(0, 2), range(2, 5)]
+    device = [4096, 1024, 1536, 2048, 0]  # the last one first: its run stands alone
+    assert copy_runs(device, host, sizes) == [range(0, 1), range(1, 4), range(4, 5)]
+    assert copy_runs([0, 1000], [0, 1024], [1000, 8]) == [range(0, 1), range(1, 2)]
+    assert copy_runs([], [], []) == []
+
+
+def test_storage_offload_orders_large_storages_first_and_copies_each_on_a_cpu() -> None:
+    """On a CPU every storage is its own copy (malloc's neighbours are not the offload's), and
+    the host layout spaces them by the allocator's blocks, the large ones first."""
+    small, large = torch.ones(3), torch.arange(2**18, dtype=torch.float32) + 1  # 12 B, 1 MiB
+    huge = torch.full((2**18 + 1,), 2.0)  # 1 MiB + 4 B: the allocator's large pool on a GPU
+    offload = StorageOffload([small, large, huge], torch.device("cpu"))
+    assert offload.sizes == [2**20 + 4, 12, 2**20]
+    offload.offload()
+    starts = [h.data_ptr() - offload.host[0].data_ptr() for h in offload.host]
+    assert starts == [0, 2**20 + 512, 2**20 + 1024]
+    assert offload.copies == {"offload": 3}
+    offload.onload()
+    assert offload.copies == {"offload": 3, "onload": 3}
+    assert torch.equal(large, torch.arange(2**18, dtype=torch.float32) + 1)
+    assert torch.equal(huge, torch.full((2**18 + 1,), 2.0)) and torch.equal(small, torch.ones(3))
 
 
 def test_attribute_tensors_finds_flags_and_shard_lists() -> None:

@@ -7,6 +7,11 @@ and parameters' ``main_grad`` as further views. Moving the storage under them, i
 rebinding tensors, leaves every tensor object, view, offset and alias as it was (the same
 objects before and after, each still viewing the same bytes): nothing that holds a reference
 needs to know. Each storage is copied once, however many tensors view it.
+
+Storages that lie back to back on the device, as the host copy lays them out, move in one copy:
+onload carves them in the host's order from one reserved segment (the large ones first, so the
+caching allocator's small pool does not break the run), so from the second offload on the state
+moves in a few large copies instead of one per storage.
 """
 
 from __future__ import annotations
@@ -17,11 +22,37 @@ from typing import Any
 
 import torch
 
-from tandem.tensors.devices import reserve_segment
+from tandem.tensors.devices import device_bytes, reserve_segment
 from tandem.tensors.pinned import pinned_bytes
 
-HOST_ALIGN = 4096
-"""Each storage's host copy starts on a page (DMA runs fastest from aligned addresses)."""
+BLOCK = 512
+"""The CUDA caching allocator's granularity: a storage of n bytes takes a block of n rounded up
+to it. The host copy spaces storages the same way, so a run carved back to back on the device
+has the host's layout."""
+
+SMALL = 1 << 20
+"""Storages of at most this many bytes come from the allocator's small pool, not the segment."""
+
+
+def _blocks(size: int) -> int:
+    return max(-(-size // BLOCK), 1) * BLOCK
+
+
+def copy_runs(device_starts: list[int], host_starts: list[int], sizes: list[int]) -> list[range]:
+    """Index ranges of storages that move in one copy each: storage i + 1 joins i's run where
+    it starts one block of i after i on the device and on the host. The bytes between them are
+    then i's own block's padding (no other block is that small), so a copy of the whole span
+    touches nothing else."""
+    runs: list[range] = []
+    first = 0
+    for i in range(1, len(sizes) + 1):
+        if i == len(sizes) or not (
+            device_starts[i] - device_starts[i - 1] == _blocks(sizes[i - 1])
+            and host_starts[i] - host_starts[i - 1] == _blocks(sizes[i - 1])
+        ):
+            runs.append(range(first, i))
+            first = i
+    return runs
 
 
 def attribute_tensors(owner: Any) -> list[torch.Tensor]:
@@ -63,11 +94,16 @@ class StorageOffload:
         discard: Iterable[torch.Tensor] = (),
         previous: StorageOffload | None = None,
     ):
+        if device.type == "cuda" and device.index is None:  # tensors name their device's index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         dropped = _by_storage(discard, device)
         kept = {k: t for k, t in _by_storage(tensors, device).items() if k not in dropped}
-        self.holders = list(kept.values())
-        """One tensor per kept storage: ``untyped_storage()`` of it reaches the storage."""
+        holders = list(kept.values())
+        self.holders = [t for t in holders if t.untyped_storage().nbytes() > SMALL]
+        self.holders += [t for t in holders if t.untyped_storage().nbytes() <= SMALL]
+        """One tensor per kept storage (``untyped_storage()`` of it reaches the storage), the
+        large ones first: onload allocates them in this order."""
         self.sizes = [t.untyped_storage().nbytes() for t in self.holders]
         self.discarded = list(dropped.values())
         self.discarded_sizes = [t.untyped_storage().nbytes() for t in self.discarded]
@@ -77,6 +113,8 @@ class StorageOffload:
         self.seconds: dict[str, float] = {}
         """The last offload's and onload's parts: ``offload_copy`` (the copies to the host,
         synchronised), ``offload_free``; ``onload_alloc`` (device memory back), ``onload_copy``."""
+        self.copies: dict[str, int] = {}
+        """How many copies the last offload and onload made (``offload``, ``onload``)."""
 
     @property
     def nbytes(self) -> int:
@@ -87,6 +125,33 @@ class StorageOffload:
         view = torch.empty(0, dtype=torch.uint8, device=self.device)
         return view.set_(holder.untyped_storage(), 0, (size,), (1,))
 
+    def _copy(self, to_host: bool) -> int:
+        """Copy every storage between the device and its host copy (not synchronised), a run
+        of storages back to back on both sides in one copy; the number of copies."""
+        pin = self.device.type == "cuda"
+        device_starts = [h.untyped_storage().data_ptr() for h in self.holders]
+        host_starts = [h.data_ptr() for h in self.host]
+        # only the CUDA caching allocator's blocks are known to hold nothing between them
+        runs = (
+            copy_runs(device_starts, host_starts, self.sizes)
+            if pin
+            else [range(i, i + 1) for i in range(len(self.sizes))]
+        )
+        for run in runs:
+            first, last = run[0], run[-1]
+            if len(run) == 1:
+                device = self._bytes(self.holders[first], self.sizes[first])
+                host = self.host[first]
+            else:
+                span = device_starts[last] - device_starts[first] + self.sizes[last]
+                device = device_bytes(device_starts[first], span, self.device)
+                host = self.host[first].as_strided((span,), (1,))
+            if to_host:
+                host.copy_(device, non_blocking=pin)
+            else:
+                device.copy_(host, non_blocking=pin)
+        return len(runs)
+
     def offload(self) -> None:
         """Copy every storage to the host, then free its device memory (resize to 0)."""
         if not self.resident:
@@ -95,12 +160,11 @@ class StorageOffload:
         if not self.host:  # views of one page-locked allocation of the exact size
             starts = [0]
             for size in self.sizes:
-                starts.append(starts[-1] + -(-size // HOST_ALIGN) * HOST_ALIGN)
+                starts.append(starts[-1] + _blocks(size))
             whole = pinned_bytes(starts[-1]) if pin else torch.empty(starts[-1], dtype=torch.uint8)
             self.host = [whole[at : at + n] for at, n in zip(starts[:-1], self.sizes, strict=True)]
         start = time.perf_counter()
-        for holder, size, host in zip(self.holders, self.sizes, self.host, strict=True):
-            host.copy_(self._bytes(holder, size), non_blocking=pin)
+        self.copies["offload"] = self._copy(to_host=True)
         if pin:
             torch.cuda.synchronize(self.device)
         copied = time.perf_counter()
@@ -116,15 +180,16 @@ class StorageOffload:
             return
         pin = self.device.type == "cuda"
         start = time.perf_counter()
-        if pin:  # one device allocation the storages are then carved from, not one each
-            reserve_segment(self.device, self.nbytes + sum(self.discarded_sizes))
+        if pin:  # one device allocation the storages are then carved from, in order: the
+            # allocator takes the smallest cached block that fits, so none may be cached beside it
+            torch.cuda.empty_cache()
+            reserve_segment(self.device, sum(map(_blocks, self.sizes + self.discarded_sizes)))
         for holder, size in zip(self.holders, self.sizes, strict=True):
             holder.untyped_storage().resize_(size)
         for holder, size in zip(self.discarded, self.discarded_sizes, strict=True):
             holder.untyped_storage().resize_(size)
         allocated = time.perf_counter()
-        for holder, size, host in zip(self.holders, self.sizes, self.host, strict=True):
-            self._bytes(holder, size).copy_(host, non_blocking=pin)
+        self.copies["onload"] = self._copy(to_host=False)
         if pin:
             torch.cuda.synchronize(self.device)
         self.seconds["onload_alloc"] = allocated - start
