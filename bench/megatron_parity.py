@@ -326,7 +326,9 @@ def main() -> None:
     parser.add_argument("--root", default="/tmp/tandem-bench")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument(
-        "--only", choices=("parity", "throughput"), help="one part (each in a fresh process)"
+        "--only",
+        choices=("parity", "throughput", "offload"),
+        help="one part (each in a fresh process); offload: the 1.5B Megatron trainer's alone",
     )
     args = parser.parse_args()
     root = Path(args.root)
@@ -349,6 +351,21 @@ def main() -> None:
         trainer.train(batch, nll_loss)  # the optimizer state exists after a step
         offload(trainer, batch, before_build)
 
+    def offload_large() -> None:  # the throughput part's Megatron trainer, without the runs
+        path = model_dir("1.5b", None, root)
+        ids = torch.randint(0, 151_643, (8, 2048), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones(8, 2048)
+        mask[:, 0] = 0
+        batch = TrainBatch(ids, torch.ones_like(ids), mask)
+        gc.collect()
+        before_build = torch.cuda.memory_allocated()
+        trainer = build("megatron", path, "bfloat16", micro_batch_size=2)
+        trainer.train(batch, nll_loss)  # the optimizer state exists after a step
+        offload(trainer, batch, before_build)
+
+    if args.only == "offload":
+        offload_large()
+        return
     steps: list[tuple[str, Any]] = [("parity", lambda: parity(args, root))]
     if args.skip_throughput or args.only == "parity":
         steps.append(("offload", offload_small))
