@@ -134,6 +134,27 @@ def test_the_scaled_copy_is_the_per_tensor_stream_bit_for_bit(
         assert torch.equal(got, want), name
 
 
+def test_an_onload_lays_the_adapters_out_in_the_streams_order(model: Path) -> None:
+    """Every A, then every B (the stream's order, in which the scaled copy is one copy and one
+    multiply), ahead of the frozen base, whatever the model's own order (A, B per layer)."""
+    from tandem.trainer.offload import _parameters, layout_order
+
+    trainer = PolicyTrainer(_policy(model))
+    adapters = trainer.adapters
+    assert adapters is not None
+    names = adapters.names
+    assert all("lora_A" in n for n in names[: len(names) // 2])
+    assert all("lora_B" in n for n in names[len(names) // 2 :])
+    model_order = list(_parameters(trainer.model))
+    trainable = [id(p) for p in model_order if p.requires_grad]
+    assert sorted(trainable) == sorted(id(p) for p in adapters.params)
+    assert trainable != [id(p) for p in adapters.params]  # the model's order is A, B per layer
+    ordered = layout_order(model_order, adapters.params)
+    assert [id(p) for p in ordered[: len(adapters.params)]] == [id(p) for p in adapters.params]
+    assert not any(p.requires_grad for p in ordered[len(adapters.params) :])
+    assert layout_order(model_order) == sorted(model_order, key=lambda p: not p.requires_grad)
+
+
 def test_an_adapter_refit_generates_as_the_merged_weights_do(model: Path, tmp_path: Path) -> None:
     """A generator refitted with the adapters and one loaded from the merged export sample the
     same tokens (seeded) with logprobs within the merged rounding (``MERGED_ATOL``)."""

@@ -187,6 +187,16 @@ def move_buffers(module: nn.Module, device: torch.device, pool: HostPool | None 
         _swap(_local(buffer), device, pool)
 
 
+def layout_order(
+    params: list[nn.Parameter], first: Sequence[torch.Tensor] = ()
+) -> list[nn.Parameter]:
+    """The order a move to the GPU lays ``params`` out in: the trainable ones first, ``first``
+    ahead of them in its order, then model order: a LoRA policy's adapters come back back to
+    back in the order a refit streams them (``lora.Adapters.scaled_copy``)."""
+    ahead = {id(p): i for i, p in enumerate(first)}
+    return sorted(params, key=lambda p: (not p.requires_grad, ahead.get(id(p), len(ahead))))
+
+
 def move_module(
     module: nn.Module,
     device: torch.device,
@@ -204,13 +214,7 @@ def move_module(
         fsdp_params = [fp for fp in fsdp_params if fp.sharded_param.requires_grad]
     if fsdp_params:
         reshard(module)  # a gathered module registers its unsharded parameters instead
-    # the trainable ones first, ``first`` ahead, then model order: a LoRA policy's adapters come
-    # back back to back in the order a refit streams them (``lora.Adapters.scaled_copy``)
-    ahead = {id(p): i for i, p in enumerate(first)}
-    params = sorted(
-        _parameters(module, trainable_only),
-        key=lambda p: (not p.requires_grad, ahead.get(id(p), len(ahead))),
-    )
+    params = layout_order(list(_parameters(module, trainable_only)), first)
     with torch.no_grad():
         # The parameters' data, from FSDP2's padded shards or the parameters themselves.
         sources: list[torch.Tensor] = [fp._sharded_param_data for fp in fsdp_params]
