@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tandem import rendezvous
 from tandem.config.models import RefitConfig
 from tandem.tensors import TargetRuns
 from tandem.weight_sync import (
@@ -24,6 +27,7 @@ from tandem.weight_sync import (
     metadata_of,
 )
 from tandem.weight_sync.buckets import flat_bytes
+from tandem.weight_sync.signals import connect_store, wait_signals
 
 BUCKET_BYTES = 2**16
 TIMEOUT_S = 4.0
@@ -70,6 +74,15 @@ def _receiver_main(rank: int, transport_specs: Any, results: Any, die_after: int
 
 def _leftover_shm() -> list[str]:
     return glob.glob(f"/dev/shm/tandem-refit-{os.getpid()}-*")
+
+
+@pytest.fixture(autouse=True)
+def _own_leftovers_only() -> Iterator[None]:
+    """Each test starts with no refit file of this process: one that failed and left its file
+    fails alone, not every test after it."""
+    for path in _leftover_shm():
+        os.unlink(path)
+    yield
 
 
 class Receivers:
@@ -160,6 +173,29 @@ def _send_in_thread(sender: Any, stream: Any = None) -> tuple[threading.Thread, 
     return thread, outcome
 
 
+def test_a_sender_on_the_port_of_a_gone_one_gets_a_new_client() -> None:
+    """The kernel gives a new sender's store the port of one closed before it (a restarted
+    trainer; earlier tests in this process): a receiver connects afresh instead of reusing the
+    cached client of the gone server, and waiting on that client fails with a RefitError."""
+    port = rendezvous.free_port("127.0.0.1")
+    server = rendezvous.serve("127.0.0.1", port, None, TIMEOUT_S)
+    gone = connect_store("127.0.0.1", port, "first", TIMEOUT_S)
+    server.set("ready", "1")
+    assert wait_signals(gone, ["ready"], TIMEOUT_S, "the trainer") == [b"1"]
+    del server
+    gc.collect()
+    start = time.monotonic()
+    with pytest.raises(RefitError, match="lost the sender's store while waiting for the trainer"):
+        wait_signals(gone, ["ready"], TIMEOUT_S, "the trainer")
+    assert time.monotonic() - start < TIMEOUT_S  # a closed connection, not a timeout
+    server = rendezvous.serve("127.0.0.1", port, None, TIMEOUT_S)
+    client = connect_store("127.0.0.1", port, "second", TIMEOUT_S)
+    server.set("ready", "2")
+    assert client is not gone
+    assert wait_signals(client, ["ready"], TIMEOUT_S, "the trainer") == [b"2"]
+    assert connect_store("127.0.0.1", port, "second", TIMEOUT_S) is client  # cached
+
+
 def test_wrong_stream_fails_both_sides_without_leftovers() -> None:
     sender = _sender("colocated")
     state = random_state_dict(0)
@@ -177,6 +213,7 @@ def test_wrong_stream_fails_both_sides_without_leftovers() -> None:
 
 KILLED_SENDER = """
 import os, signal
+from tandem import rendezvous
 from tandem.config.models import RefitConfig
 from tandem.weight_sync import make_sender, metadata_of
 import torch

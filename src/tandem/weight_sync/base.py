@@ -12,6 +12,7 @@ how one refit's buckets travel: ``RefitSender._open`` returns a ``SenderRefit`` 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -67,6 +68,9 @@ class RefitSpec:
     """colocated on CUDA: segment and offset of the slots; None when nothing is packed."""
     group_generation: int = 0
     """split: which process group to join (a new one after a failed refit)."""
+    store_id: str = ""
+    """Which server listens at ``store_host:store_port`` (one per sender): a receiver's cached
+    client or group of a gone sender on the same port is not reused."""
 
     def bucket_runs(self, index: int) -> BucketRuns:
         return self.runs[index] if self.runs else ()
@@ -237,6 +241,7 @@ class RefitSender:
         self.timeout_s = timeout_s
         self._host = host
         self._store = serve_store(host, timeout_s)
+        self._store_id = uuid.uuid4().hex
         self._refit_id = 0
         self._plan: BucketPlan | None = None
         self._prepared: tuple[SenderRefit, _LiveTensors | None] | None = None
@@ -266,6 +271,7 @@ class RefitSender:
             plan=self._plan,
             store_host=self._host,
             store_port=self._store.port,
+            store_id=self._store_id,
             num_receivers=self.num_receivers,
             timeout_s=self.timeout_s,
         )

@@ -125,7 +125,7 @@ class ColocatedReceiver(RefitReceiver):
 
     def _begin(self) -> None:
         spec = self.spec
-        self._store = connect_store(spec.store_host, spec.store_port, spec.timeout_s)
+        self._store = connect_store(spec.store_host, spec.store_port, spec.store_id, spec.timeout_s)
         attached = self._attach()
         self._store.set(key(spec.refit_id, "attached", self.rank), attached)
 

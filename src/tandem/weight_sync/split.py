@@ -26,9 +26,9 @@ from tandem.weight_sync.signals import RefitError, connect_store
 
 CollectiveGroup = Any
 """ProcessGroupGloo or ProcessGroupNCCL (the latter exists only in CUDA builds of torch)."""
-_GroupKey = tuple[str, int, int, int]
+_GroupKey = tuple[str, int, str, int, int]
 _RECEIVER_GROUPS: dict[_GroupKey, CollectiveGroup] = {}
-"""Receiver-side groups cached per (store host, port, generation, rank) in this process."""
+"""Receiver-side groups cached per (store host, port, id, generation, rank) in this process."""
 
 
 def _new_group(
@@ -152,15 +152,15 @@ class SplitReceiver(RefitReceiver):
 
     def _group_key(self) -> _GroupKey:
         spec = self.spec
-        return (spec.store_host, spec.store_port, spec.group_generation, self.rank)
+        return (spec.store_host, spec.store_port, spec.store_id, spec.group_generation, self.rank)
 
     def _begin(self) -> None:
         spec = self.spec
         key = self._group_key()
         if key not in _RECEIVER_GROUPS:
-            for stale in [k for k in _RECEIVER_GROUPS if k[:2] == key[:2] and k[3] == key[3]]:
+            for stale in [k for k in _RECEIVER_GROUPS if k[:2] == key[:2] and k[-1] == key[-1]]:
                 del _RECEIVER_GROUPS[stale]
-            store = connect_store(spec.store_host, spec.store_port, spec.timeout_s)
+            store = connect_store(spec.store_host, spec.store_port, spec.store_id, spec.timeout_s)
             _RECEIVER_GROUPS[key] = _new_group(
                 store,
                 spec.group_generation,
