@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import glob
 import os
@@ -343,6 +344,37 @@ def test_copy_into_lands_every_tensor_and_names_a_wrong_target() -> None:
     with pytest.raises(RefitError, match="stale spec"):  # that refit is over: nothing to map
         make_receiver(spec, "cpu").copy_into(targets)
     assert _leftover_shm() == []
+
+
+def test_a_receiver_attaching_as_the_sender_aborts_leaves_no_file() -> None:
+    """The sender's abort (here: no stream) unlinks the refit's file at any moment of a
+    receiver's attach, also between its finding the file and mapping it: the receiver fails
+    with a RefitError and never creates the file anew. The sender starts 0-2 ms after the
+    receiver, so the abort lands all over the attach (a leftover in ~2 of 1,000 rounds when the
+    receiver created what it mapped)."""
+    sender = _sender("colocated")
+    state = {"w": torch.zeros(64, 64)}
+    leftovers, errors = [], []
+    for round_ in range(1000):
+        spec = sender.prepare(metadata_of(state.items()))
+
+        def send(delay: float = (round_ % 100) * 2e-5) -> None:
+            time.sleep(delay)
+            try:
+                sender.send()
+            except ValueError as error:
+                errors.append(error)
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        with contextlib.suppress(RefitError):
+            list(make_receiver(spec, "cpu").iter_weights())
+        thread.join(timeout=30)
+        leftovers += _leftover_shm()
+        for path in _leftover_shm():
+            os.unlink(path)
+    assert leftovers == []
+    assert len(errors) == 1000 and "needs the weight stream" in str(errors[0])
 
 
 def test_kept_targets_are_checked_once_per_plan() -> None:

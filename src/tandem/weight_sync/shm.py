@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import mmap
 import os
 import tempfile
 import time
@@ -65,8 +66,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _map(path: str, plan_bytes: int) -> torch.Tensor:
-    return torch.from_file(path, True, plan_bytes, dtype=torch.uint8)
+def _map(path: str, nbytes: int) -> torch.Tensor:
+    """The file's first ``nbytes``, mapped shared; FileNotFoundError if it is gone. Never creates
+    it (``torch.from_file`` would: a receiver attaching as the sender aborts and unlinks would
+    leave a new file behind)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        mapped = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapped, dtype=torch.uint8)  # holds the mapping while it lives
 
 
 class ShmSender(RefitSender):
@@ -116,15 +127,17 @@ class ShmReceiver(ColocatedReceiver):
 
     def _attach(self) -> str:
         path = self.spec.shm_path
-        if not os.path.exists(path):  # (from_file would create it, and leave it behind)
+        size, num_slots = slot_layout(self.spec.plan)
+        try:
+            whole = _map(path, size * num_slots)
+        except FileNotFoundError:
             aborted = self._abort_message()  # the sender failed before this receiver came
             raise RefitError(
                 f"refit {self.spec.refit_id}: the trainer's buffers {path} are gone: the "
                 "refit already ended (a stale spec) or the trainer died"
                 + (f"; the trainer aborted it: {aborted}" if aborted else "")
-            )
-        size, num_slots = slot_layout(self.spec.plan)
-        self._buffers = slots_of(_map(path, size * num_slots), size, num_slots)
+            ) from None
+        self._buffers = slots_of(whole, size, num_slots)
         return "1"
 
     def _slot(self, index: int) -> torch.Tensor:
