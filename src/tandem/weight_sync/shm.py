@@ -1,5 +1,5 @@
 """Colocated refit on the CPU: both bucket slots are one file in /dev/shm, mapped by the sender
-and every receiver (``torch.from_file``). The sender unlinks the file once every receiver has
+and every receiver (``mmap``). The sender unlinks the file once every receiver has
 mapped it, so nothing is left behind if a process dies after that; the memory goes with the last
 mapping. A sender killed before its receivers attached (a generator died first, then Ray killed
 the trainer) leaves its file: a later sender on the host removes the files of senders that no
