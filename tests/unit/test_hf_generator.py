@@ -271,6 +271,31 @@ def test_a_prompt_is_prefilled_once_for_its_samples(generator: HfGenerator) -> N
         assert torch.allclose(torch.tensor(r.response_logprobs), expected, atol=1e-5)
 
 
+def test_the_lm_head_gets_contiguous_rows_in_the_prefill_and_the_decode(
+    generator: HfGenerator,
+) -> None:
+    """The prefill's last positions reach the LM head as a strided slice of the hidden states;
+    the head gets them contiguous (a strided 3-D bf16 input times a frozen CPU weight takes a
+    batched product ~200x slower: LoRA's frozen base). Every call, prefill and decode, and the
+    same samples as a forward."""
+    head = generator.model.get_output_embeddings()
+    seen: list[tuple[tuple[int, ...], bool]] = []
+
+    def record(_module: object, args: tuple[torch.Tensor, ...]) -> None:
+        seen.append((tuple(args[0].shape), args[0].is_contiguous()))
+
+    hook = head.register_forward_pre_hook(record)  # after the generator's own
+    try:
+        rollouts = generator.generate(_prompt_ids(generator), SamplingParams(max_tokens=3, seed=5))
+    finally:
+        hook.remove()
+    assert seen[0][0] == (3, 1, generator.model.config.hidden_size)  # the prefill's rows
+    assert len(seen) >= 2 and all(contiguous for _, contiguous in seen), seen
+    for r in rollouts:
+        expected = _direct_logprobs(generator, r.prompt_token_ids, r.response_token_ids)
+        assert torch.allclose(torch.tensor(r.response_logprobs), expected, atol=1e-5)
+
+
 def test_grouped_heads_are_attended_in_place_on_cpu(
     generator: HfGenerator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -186,6 +186,16 @@ def sample_tokens(
     return torch.cat(tokens), torch.cat(logprobs)
 
 
+def _contiguous_rows(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The LM head's input made contiguous. A prefill's last positions reach the head as a
+    strided ``[rows, 1, hidden]`` slice (``logits_to_keep=1``), and torch multiplies a strided
+    3-D input by a weight that needs no gradient (the frozen base under LoRA adapters) as a
+    batched product over a broadcast weight instead of one matrix product: on a CPU in bf16,
+    8 rows x a 151,936 x 896 head took 4.4 s instead of 20 ms. The copy is of ``rows x
+    hidden`` values; a decode step's input is contiguous already (no copy)."""
+    return (args[0].contiguous(), *args[1:])
+
+
 class HfGenerator(Generator):
     """Generates with a transformers ``AutoModelForCausalLM`` in this process."""
 
@@ -220,6 +230,7 @@ class HfGenerator(Generator):
         self.model.to(self.device).eval()  # type: ignore[arg-type]  # the buffers
         # on a CPU the larger linear layers compute through oneDNN over packed weights
         self._packed = pack_linears(self.model) if self.device.type == "cpu" else []
+        self.model.get_output_embeddings().register_forward_pre_hook(_contiguous_rows)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         eos = self.model.generation_config.eos_token_id
         if eos is None:
