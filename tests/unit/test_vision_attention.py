@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from vision_support import tiny_vl_pair
 
 from tandem.assets import VISUAL_MODEL_DIR
 from tandem.vision_attention import batch_vision_windows, window_attention
@@ -53,14 +54,7 @@ def _tower_features(model: torch.nn.Module, size: int) -> tuple[torch.Tensor, to
 
 @pytest.mark.parametrize("size", [48, 64])
 def test_the_tiny_tower_computes_what_it_computed_window_by_window(size: int) -> None:
-    from transformers import AutoModelForImageTextToText
-
-    plain = AutoModelForImageTextToText.from_pretrained(str(VISUAL_MODEL_DIR))
-    batched = AutoModelForImageTextToText.from_pretrained(str(VISUAL_MODEL_DIR))
-    names = list(batched.state_dict())
-    assert batch_vision_windows(batched) == len(batched.model.visual.blocks)
-    assert batch_vision_windows(batched) == 0  # once is enough
-    assert list(batched.state_dict()) == names
+    plain, batched = tiny_vl_pair(batch_vision_windows)
     _, want = _tower_features(plain, size)
     _, got = _tower_features(batched, size)
     assert (got - want).abs().max() <= 1e-5

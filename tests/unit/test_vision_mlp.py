@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
+from vision_support import tiny_vl_pair
 
-from tandem.assets import VISUAL_MODEL_DIR
 from tandem.vision_mlp import _pad_for, align_vision_mlps, padded_mlp
 
 
@@ -57,14 +57,7 @@ def test_the_pad_is_asked_only_on_a_gpu_for_two_byte_unaligned_plain_layers() ->
 
 
 def test_the_tiny_models_tower_mlps_take_the_forward_and_compute_as_before() -> None:
-    from transformers import AutoModelForImageTextToText
-
-    plain = AutoModelForImageTextToText.from_pretrained(str(VISUAL_MODEL_DIR))
-    aligned = AutoModelForImageTextToText.from_pretrained(str(VISUAL_MODEL_DIR))
-    names = list(aligned.state_dict())
-    assert align_vision_mlps(aligned) == len(aligned.model.visual.blocks)
-    assert align_vision_mlps(aligned) == 0  # once is enough
-    assert list(aligned.state_dict()) == names
+    plain, aligned = tiny_vl_pair(align_vision_mlps)
     assert align_vision_mlps(nn.Linear(2, 2)) == 0  # no tower
     hidden = torch.randn(7, plain.model.visual.blocks[0].mlp.gate_proj.in_features)
     for a, b in zip(aligned.model.visual.blocks, plain.model.visual.blocks, strict=True):
