@@ -287,3 +287,34 @@ def test_storage_offload_moves_storages_carved_back_to_back_in_one_copy() -> Non
         previous = offload
     views[0][0] = 7.0
     assert large[0][1] == 7.0
+
+
+def test_storage_offload_onload_in_chunks_copies_within_each_segment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Onload reserving a segment per chunk of ~8 MiB: storages back to back across two
+    segments (addresses may meet) move in separate copies, every value comes back, and from
+    the second round on there is about one copy per chunk."""
+    from tandem.tensors import storage_offload
+    from tandem.tensors.storage_offload import StorageOffload
+
+    monkeypatch.setattr(storage_offload, "CHUNK", 8 * 2**20)
+    torch.manual_seed(0)
+    cuda = torch.device("cuda")
+    tensors = [torch.randn(2**19 + 128 * i + 3, device=cuda) for i in range(24)]  # ~2 MiB
+    values = [t.clone() for t in tensors]
+    previous = None
+    for round_ in range(3):
+        offload = StorageOffload(tensors, cuda, previous=previous)
+        chunks = offload._chunks()
+        assert len(chunks) == 6  # four ~2 MiB storages reach 8 MiB
+        offload.offload()
+        release_device_caches()
+        offload.onload()
+        assert len(offload.spans) == len(chunks)
+        if round_:
+            assert offload.copies["offload"] <= len(chunks) + 2
+        assert offload.copies["onload"] <= len(chunks) + 2
+        for tensor, value in zip(tensors, values, strict=True):
+            assert torch.equal(tensor, value)
+        previous = offload

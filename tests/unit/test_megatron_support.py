@@ -122,13 +122,28 @@ def test_copy_runs_join_storages_one_block_apart_on_both_sides() -> None:
     that differs starts a new copy."""
     sizes = [1000, 512, 3, 2048, 100]
     host = [0, 1024, 1536, 2048, 4096]  # each size rounded up to 512, back to back
-    assert copy_runs([10_240 + h for h in host], host, sizes) == [range(0, 5)]
+    whole = [(0, 20_000)]  # one allocation holds them all
+    assert copy_runs([10_240 + h for h in host], host, sizes, whole) == [range(0, 5)]
     device = [0, 1024, 1536 + 512, 2048 + 512, 4096 + 512]  # a block between 1 and 2
-    assert copy_runs(device, host, sizes) == [range(0, 2), range(2, 5)]
+    assert copy_runs(device, host, sizes, whole) == [range(0, 2), range(2, 5)]
     device = [4096, 1024, 1536, 2048, 0]  # the last one first: its run stands alone
-    assert copy_runs(device, host, sizes) == [range(0, 1), range(1, 4), range(4, 5)]
-    assert copy_runs([0, 1000], [0, 1024], [1000, 8]) == [range(0, 1), range(1, 2)]
-    assert copy_runs([], [], []) == []
+    assert copy_runs(device, host, sizes, whole) == [range(0, 1), range(1, 4), range(4, 5)]
+    assert copy_runs([0, 1000], [0, 1024], [1000, 8], whole) == [range(0, 1), range(1, 2)]
+    assert copy_runs([], [], [], whole) == []
+
+
+def test_copy_runs_never_span_two_allocations() -> None:
+    """Back to back on both sides is not enough: storages join only inside one known
+    allocation (CUDA refuses a copy across two, even where their addresses meet), and where
+    none is known each storage is a copy of its own."""
+    sizes = [1024, 1024, 1024, 1024]
+    host = [0, 1024, 2048, 3072]
+    device = [8192 + h for h in host]
+    assert copy_runs(device, host, sizes) == [range(i, i + 1) for i in range(4)]
+    meeting = [(8192, 8192 + 2048), (8192 + 2048, 8192 + 4096)]  # two segments end to end
+    assert copy_runs(device, host, sizes, meeting) == [range(0, 2), range(2, 4)]
+    short = [(8192, 8192 + 2048 + 512)]  # storage 2 sticks out of the only known segment
+    assert copy_runs(device, host, sizes, short) == [range(0, 2), range(2, 3), range(3, 4)]
 
 
 def test_storage_offload_orders_large_storages_first_and_copies_each_on_a_cpu() -> None:

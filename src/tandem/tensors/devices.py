@@ -45,8 +45,13 @@ def release_device_caches() -> None:
     torch.cuda.empty_cache()
 
 
-def reserve_segment(device: torch.device, num_bytes: int) -> None:
-    """Grow the caching allocator by one segment of ``num_bytes``; later allocations split it."""
-    if num_bytes > 0:
-        block = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-        del block
+def reserve_segment(device: torch.device, num_bytes: int) -> int:
+    """Grow the caching allocator by one segment of ``num_bytes``; later allocations split it.
+    The address of the reserved block (0 for none): ``num_bytes`` from it lie in one device
+    allocation."""
+    if num_bytes <= 0:
+        return 0
+    block = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    address = block.data_ptr()
+    del block
+    return address

@@ -9,15 +9,19 @@ objects before and after, each still viewing the same bytes): nothing that holds
 needs to know. Each storage is copied once, however many tensors view it.
 
 Storages that lie back to back on the device, as the host copy lays them out, move in one copy:
-onload carves them in the host's order from one reserved segment (the large ones first, so the
+onload carves them in the host's order from segments it reserves (the large ones first, so the
 caching allocator's small pool does not break the run), so from the second offload on the state
-moves in a few large copies instead of one per storage.
+moves in a few large copies instead of one per storage. A copy never spans two device
+allocations (CUDA refuses one that does, even where their addresses meet): storages join only
+inside a segment this offload reserved. Onload reserves a chunk at a time and starts its copies
+before reserving the next, so the device allocations overlap the copies in flight.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -33,22 +37,40 @@ has the host's layout."""
 SMALL = 1 << 20
 """Storages of at most this many bytes come from the allocator's small pool, not the segment."""
 
+CHUNK = 1 << 30
+"""Onload reserves device memory for about this many bytes of storages at a time."""
+
 
 def _blocks(size: int) -> int:
     return max(-(-size // BLOCK), 1) * BLOCK
 
 
-def copy_runs(device_starts: list[int], host_starts: list[int], sizes: list[int]) -> list[range]:
+def copy_runs(
+    device_starts: list[int],
+    host_starts: list[int],
+    sizes: list[int],
+    spans: Sequence[tuple[int, int]] = (),
+) -> list[range]:
     """Index ranges of storages that move in one copy each: storage i + 1 joins i's run where
-    it starts one block of i after i on the device and on the host. The bytes between them are
-    then i's own block's padding (no other block is that small), so a copy of the whole span
-    touches nothing else."""
+    it starts one block of i after i on the device and on the host, and both lie in one of
+    ``spans`` (sorted, disjoint device address ranges, each inside one allocation). The bytes
+    between them are then i's own block's padding (no other block is that small), so a copy of
+    the whole span touches nothing else."""
+    span_starts = [start for start, _ in spans]
+
+    def span_of(i: int) -> int:
+        at = bisect.bisect_right(span_starts, device_starts[i]) - 1
+        inside = at >= 0 and device_starts[i] + sizes[i] <= spans[at][1]
+        return at if inside else -1
+
     runs: list[range] = []
     first = 0
     for i in range(1, len(sizes) + 1):
         if i == len(sizes) or not (
             device_starts[i] - device_starts[i - 1] == _blocks(sizes[i - 1])
             and host_starts[i] - host_starts[i - 1] == _blocks(sizes[i - 1])
+            and span_of(i) >= 0
+            and span_of(i) == span_of(i - 1)
         ):
             runs.append(range(first, i))
             first = i
@@ -112,9 +134,18 @@ class StorageOffload:
         self.resident = True
         self.seconds: dict[str, float] = {}
         """The last offload's and onload's parts: ``offload_copy`` (the copies to the host,
-        synchronised), ``offload_free``; ``onload_alloc`` (device memory back), ``onload_copy``."""
+        synchronised), ``offload_free``; ``onload_empty_cache``, ``onload_issue`` (device
+        memory reserved and the copies started, chunk by chunk), ``onload_wait`` (the copies
+        still in flight after that)."""
         self.copies: dict[str, int] = {}
         """How many copies the last offload and onload made (``offload``, ``onload``)."""
+        self.placed = [t.untyped_storage().data_ptr() for t in self.holders]
+        """Where each storage lies on the device (as found, then as the last onload put it)."""
+        self.spans: list[tuple[int, int]] = (
+            previous.spans if same and previous and previous.placed == self.placed else []
+        )
+        """Device address ranges the last onload reserved (sorted; each inside one allocation,
+        alive while a storage it put there stays put)."""
 
     @property
     def nbytes(self) -> int:
@@ -125,32 +156,46 @@ class StorageOffload:
         view = torch.empty(0, dtype=torch.uint8, device=self.device)
         return view.set_(holder.untyped_storage(), 0, (size,), (1,))
 
-    def _copy(self, to_host: bool) -> int:
-        """Copy every storage between the device and its host copy (not synchronised), a run
-        of storages back to back on both sides in one copy; the number of copies."""
+    def _copy(self, indices: range, to_host: bool) -> int:
+        """Copy the storages ``indices`` between the device and their host copies (not
+        synchronised), a run of storages back to back on both sides in one copy; the number of
+        copies."""
         pin = self.device.type == "cuda"
-        device_starts = [h.untyped_storage().data_ptr() for h in self.holders]
-        host_starts = [h.data_ptr() for h in self.host]
+        at = slice(indices.start, indices.stop)
+        holders, sizes = self.holders[at], self.sizes[at]
+        device_starts = [h.untyped_storage().data_ptr() for h in holders]
+        host_starts = [h.data_ptr() for h in self.host[at]]
         # only the CUDA caching allocator's blocks are known to hold nothing between them
         runs = (
-            copy_runs(device_starts, host_starts, self.sizes)
+            copy_runs(device_starts, host_starts, sizes, self.spans)
             if pin
-            else [range(i, i + 1) for i in range(len(self.sizes))]
+            else [range(i, i + 1) for i in range(len(sizes))]
         )
         for run in runs:
             first, last = run[0], run[-1]
             if len(run) == 1:
-                device = self._bytes(self.holders[first], self.sizes[first])
-                host = self.host[first]
+                device = self._bytes(holders[first], sizes[first])
+                host = self.host[indices.start + first]
             else:
-                span = device_starts[last] - device_starts[first] + self.sizes[last]
+                span = device_starts[last] - device_starts[first] + sizes[last]
                 device = device_bytes(device_starts[first], span, self.device)
-                host = self.host[first].as_strided((span,), (1,))
+                host = self.host[indices.start + first].as_strided((span,), (1,))
             if to_host:
                 host.copy_(device, non_blocking=pin)
             else:
                 device.copy_(host, non_blocking=pin)
         return len(runs)
+
+    def _chunks(self) -> list[range]:
+        """The storages in host order, cut where the large ones reach about ``CHUNK`` bytes."""
+        chunks: list[range] = []
+        first, total = 0, 0
+        for i, size in enumerate(self.sizes):
+            total += _blocks(size) if size > SMALL else 0
+            if total >= CHUNK or i == len(self.sizes) - 1:
+                chunks.append(range(first, i + 1))
+                first, total = i + 1, 0
+        return chunks
 
     def offload(self) -> None:
         """Copy every storage to the host, then free its device memory (resize to 0)."""
@@ -164,34 +209,51 @@ class StorageOffload:
             whole = pinned_bytes(starts[-1]) if pin else torch.empty(starts[-1], dtype=torch.uint8)
             self.host = [whole[at : at + n] for at, n in zip(starts[:-1], self.sizes, strict=True)]
         start = time.perf_counter()
-        self.copies["offload"] = self._copy(to_host=True)
+        self.copies["offload"] = self._copy(range(len(self.sizes)), to_host=True)
         if pin:
             torch.cuda.synchronize(self.device)
         copied = time.perf_counter()
         for holder in self.holders + self.discarded:
             holder.untyped_storage().resize_(0)
+        self.spans = []  # the segments go back to the allocator
         self.seconds["offload_copy"] = copied - start
         self.seconds["offload_free"] = time.perf_counter() - copied
         self.resident = False
 
+    def _reserve(self, sizes: Iterable[int]) -> None:
+        """One device segment for the large storages of ``sizes``, allocated next in order;
+        where it lies joins ``spans``."""
+        num_bytes = sum(_blocks(size) for size in sizes if size > SMALL)
+        if self.device.type == "cuda" and num_bytes:
+            address = reserve_segment(self.device, num_bytes)
+            bisect.insort(self.spans, (address, address + num_bytes))
+
     def onload(self) -> None:
-        """Give every storage its bytes back and copy them in from the host."""
+        """Give every storage its bytes back and copy them in from the host: a chunk's segment
+        reserved, its storages carved from it in order and their copies started, then the next
+        (the allocator takes the smallest cached block that fits, so none is cached beside it
+        at the start); the discarded storages last."""
         if self.resident:
             return
         pin = self.device.type == "cuda"
         start = time.perf_counter()
-        if pin:  # one device allocation the storages are then carved from, in order: the
-            # allocator takes the smallest cached block that fits, so none may be cached beside it
+        if pin:
             torch.cuda.empty_cache()
-            reserve_segment(self.device, sum(map(_blocks, self.sizes + self.discarded_sizes)))
-        for holder, size in zip(self.holders, self.sizes, strict=True):
-            holder.untyped_storage().resize_(size)
+        emptied = time.perf_counter()
+        self.copies["onload"] = 0
+        for chunk in self._chunks():
+            self._reserve(self.sizes[chunk.start : chunk.stop])
+            for i in chunk:
+                self.holders[i].untyped_storage().resize_(self.sizes[i])
+            self.copies["onload"] += self._copy(chunk, to_host=False)
+        self._reserve(self.discarded_sizes)
         for holder, size in zip(self.discarded, self.discarded_sizes, strict=True):
             holder.untyped_storage().resize_(size)
-        allocated = time.perf_counter()
-        self.copies["onload"] = self._copy(to_host=False)
+        self.placed = [h.untyped_storage().data_ptr() for h in self.holders]
+        issued = time.perf_counter()
         if pin:
             torch.cuda.synchronize(self.device)
-        self.seconds["onload_alloc"] = allocated - start
-        self.seconds["onload_copy"] = time.perf_counter() - allocated
+        self.seconds["onload_empty_cache"] = emptied - start
+        self.seconds["onload_issue"] = issued - emptied
+        self.seconds["onload_wait"] = time.perf_counter() - issued
         self.resident = True
