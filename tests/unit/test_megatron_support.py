@@ -113,7 +113,26 @@ def test_storage_offload_discards_gradient_buffers_and_reuses_host_memory() -> N
     assert grads.untyped_storage().nbytes() == 24 and main_grad.shape == (4,)
     torch.testing.assert_close(params, torch.arange(6.0))
     again = StorageOffload([params], torch.device("cpu"), previous=first)
-    assert again.host is first.host
+    assert again.host[0] is first.host[0]
+
+
+def test_storage_offload_of_a_grown_set_reuses_the_host_copies_it_can() -> None:
+    """Storages added since the last offload (adapters injected, optimizer state created) get
+    host memory of their own; the others keep theirs, whatever their order now."""
+    a, b = torch.arange(8.0), torch.arange(4.0) + 100
+    first = StorageOffload([a, b], torch.device("cpu"))
+    first.offload()
+    first.onload()
+    c = torch.full((6,), 7.0)
+    again = StorageOffload([c, b, a], torch.device("cpu"), previous=first)
+    assert again.host[2] is first.host[0] and again.host[1] is first.host[1]
+    assert again.host[0] is None  # allocated at the offload
+    again.offload()
+    assert again.host[0] is not None and again.host[0].nbytes == 24
+    assert again.host[2] is first.host[0]
+    again.onload()
+    assert torch.equal(a, torch.arange(8.0)) and torch.equal(b, torch.arange(4.0) + 100)
+    assert torch.equal(c, torch.full((6,), 7.0))
 
 
 def test_copy_runs_join_storages_one_block_apart_on_both_sides() -> None:

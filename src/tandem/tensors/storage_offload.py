@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -102,12 +103,39 @@ def _by_storage(tensors: Iterable[torch.Tensor], device: torch.device) -> dict[i
     return seen
 
 
+def _reused_host(previous: StorageOffload | None, sizes: list[int]) -> list[torch.Tensor | None]:
+    free: dict[int, deque[torch.Tensor]] = {}
+    for size, host in (
+        zip(previous.sizes, previous.host, strict=True) if previous is not None else ()
+    ):
+        if host is not None:
+            free.setdefault(size, deque()).append(host)
+    return [free[size].popleft() if free.get(size) else None for size in sizes]
+
+
+def _live_spans(previous: StorageOffload | None) -> list[tuple[int, int]]:
+    """The spans ``previous`` reserved that still hold one of its storages where its onload
+    put them (``previous`` keeps them alive: such a span's allocation is the same one)."""
+    if previous is None or not previous.spans:
+        return []
+    staying = sorted(
+        at
+        for holder, at, size in zip(previous.holders, previous.placed, previous.sizes, strict=True)
+        if holder.untyped_storage().data_ptr() == at and holder.untyped_storage().nbytes() == size
+    )
+    return [
+        (start, end)
+        for start, end in previous.spans
+        if bisect.bisect_left(staying, start) < bisect.bisect_left(staying, end)
+    ]
+
+
 class StorageOffload:
     """The distinct device storages behind ``tensors`` (found at construction, all resident)
     and their host copies (allocated at the first ``offload``, pinned where CUDA is).
     Storages behind ``discard`` are freed and given back without their bytes (gradient
-    buffers that are zeroed before use). ``previous``: an earlier instance over the same
-    storages, whose host memory is reused when the sizes agree."""
+    buffers that are zeroed before use). ``previous``: an earlier instance over (mostly) the
+    same storages, whose host memory and reserved segments are reused."""
 
     def __init__(
         self,
@@ -129,8 +157,9 @@ class StorageOffload:
         self.sizes = [t.untyped_storage().nbytes() for t in self.holders]
         self.discarded = list(dropped.values())
         self.discarded_sizes = [t.untyped_storage().nbytes() for t in self.discarded]
-        same = previous is not None and previous.sizes == self.sizes
-        self.host: list[torch.Tensor] = previous.host if same and previous else []
+        self.host: list[torch.Tensor | None] = _reused_host(previous, self.sizes)
+        """Per storage its host copy: one of ``previous`` of the same size, in order (a storage
+        set that grew pins memory for the new storages only), else allocated at ``offload``."""
         self.resident = True
         self.seconds: dict[str, float] = {}
         """The last offload's and onload's parts: ``offload_copy`` (the copies to the host,
@@ -141,11 +170,8 @@ class StorageOffload:
         """How many copies the last offload and onload made (``offload``, ``onload``)."""
         self.placed = [t.untyped_storage().data_ptr() for t in self.holders]
         """Where each storage lies on the device (as found, then as the last onload put it)."""
-        self.spans: list[tuple[int, int]] = (
-            previous.spans if same and previous and previous.placed == self.placed else []
-        )
-        """Device address ranges the last onload reserved (sorted; each inside one allocation,
-        alive while a storage it put there stays put)."""
+        self.spans: list[tuple[int, int]] = _live_spans(previous)
+        """Device address ranges an onload reserved (sorted; each inside one allocation)."""
 
     @property
     def nbytes(self) -> int:
@@ -163,8 +189,9 @@ class StorageOffload:
         pin = self.device.type == "cuda"
         at = slice(indices.start, indices.stop)
         holders, sizes = self.holders[at], self.sizes[at]
+        hosts = [h for h in self.host[at] if h is not None]  # all there from the first offload
         device_starts = [h.untyped_storage().data_ptr() for h in holders]
-        host_starts = [h.data_ptr() for h in self.host[at]]
+        host_starts = [h.data_ptr() for h in hosts]
         # only the CUDA caching allocator's blocks are known to hold nothing between them
         runs = (
             copy_runs(device_starts, host_starts, sizes, self.spans)
@@ -175,11 +202,11 @@ class StorageOffload:
             first, last = run[0], run[-1]
             if len(run) == 1:
                 device = self._bytes(holders[first], sizes[first])
-                host = self.host[indices.start + first]
+                host = hosts[first]
             else:
                 span = device_starts[last] - device_starts[first] + sizes[last]
                 device = device_bytes(device_starts[first], span, self.device)
-                host = self.host[indices.start + first].as_strided((span,), (1,))
+                host = hosts[first].as_strided((span,), (1,))
             if to_host:
                 host.copy_(device, non_blocking=pin)
             else:
@@ -202,12 +229,14 @@ class StorageOffload:
         if not self.resident:
             return
         pin = self.device.type == "cuda"
-        if not self.host:  # views of one page-locked allocation of the exact size
+        missing = [i for i, host in enumerate(self.host) if host is None]
+        if missing:  # views of one page-locked allocation of the exact size
             starts = [0]
-            for size in self.sizes:
-                starts.append(starts[-1] + _blocks(size))
+            for i in missing:
+                starts.append(starts[-1] + _blocks(self.sizes[i]))
             whole = pinned_bytes(starts[-1]) if pin else torch.empty(starts[-1], dtype=torch.uint8)
-            self.host = [whole[at : at + n] for at, n in zip(starts[:-1], self.sizes, strict=True)]
+            for i, at in zip(missing, starts, strict=False):
+                self.host[i] = whole[at : at + self.sizes[i]]
         start = time.perf_counter()
         self.copies["offload"] = self._copy(range(len(self.sizes)), to_host=True)
         if pin:
