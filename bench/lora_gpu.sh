@@ -52,10 +52,12 @@ else
     # one micro-batch a step on tandem's side (64 rows of <= 128 + prompt tokens, within the
     # 16,384-token budget): a LoRA train step costs host work per micro-batch (peft's layers;
     # 8.6 s for 8 micro-batches of 8 at 1.5B on an H100); TRL's at 32 rows (its full-vocabulary
-    # logits: ~3.5 GB in fp32 for 32 rows of ~180 tokens)
+    # logits: ~3.5 GB in fp32 for 32 rows of ~180 tokens); 4 steps a side and round: the
+    # medians of steps 2-4 (step 2 still carries one-time work, e.g. the generator's first
+    # offload after its LoRA layers appear)
     big=(--shapes 7b --lora 32 --steps 3 --prompts 8 --generations 8 --mean-length 32
          --max-tokens 128 --micro-batch-size 64 --activation-checkpointing)
-    small=(--shapes 1.5b --lora 32 --steps 3 --prompts 8 --generations 8 --mean-length 32
+    small=(--shapes 1.5b --lora 32 --steps 4 --prompts 8 --generations 8 --mean-length 32
            --max-tokens 128 --micro-batch-size 64 --activation-checkpointing --trl-micro-batch 32)
     limit=("${LIMIT:-500}" "${LIMIT:-500}" "${LIMIT:-500}")  # room for the bundle's unpack in a 10-minute call
 fi
