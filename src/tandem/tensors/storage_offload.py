@@ -104,6 +104,8 @@ def _by_storage(tensors: Iterable[torch.Tensor], device: torch.device) -> dict[i
 
 
 def _reused_host(previous: StorageOffload | None, sizes: list[int]) -> list[torch.Tensor | None]:
+    """Per size in ``sizes`` a host copy of ``previous`` of that size (in their order, each
+    taken once), or None."""
     free: dict[int, deque[torch.Tensor]] = {}
     for size, host in (
         zip(previous.sizes, previous.host, strict=True) if previous is not None else ()
@@ -189,7 +191,9 @@ class StorageOffload:
         pin = self.device.type == "cuda"
         at = slice(indices.start, indices.stop)
         holders, sizes = self.holders[at], self.sizes[at]
-        hosts = [h for h in self.host[at] if h is not None]  # all there from the first offload
+        hosts = [h for h in self.host[at] if h is not None]
+        if len(hosts) != len(holders):  # offload allocates them before its first copy
+            raise RuntimeError("StorageOffload: a storage without its host copy")
         device_starts = [h.untyped_storage().data_ptr() for h in holders]
         host_starts = [h.data_ptr() for h in hosts]
         # only the CUDA caching allocator's blocks are known to hold nothing between them
@@ -235,7 +239,7 @@ class StorageOffload:
             for i in missing:
                 starts.append(starts[-1] + _blocks(self.sizes[i]))
             whole = pinned_bytes(starts[-1]) if pin else torch.empty(starts[-1], dtype=torch.uint8)
-            for i, at in zip(missing, starts, strict=False):
+            for i, at in zip(missing, starts[:-1], strict=True):
                 self.host[i] = whole[at : at + self.sizes[i]]
         start = time.perf_counter()
         self.copies["offload"] = self._copy(range(len(self.sizes)), to_host=True)
