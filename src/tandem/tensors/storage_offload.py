@@ -64,14 +64,15 @@ def copy_runs(
         inside = at >= 0 and device_starts[i] + sizes[i] <= spans[at][1]
         return at if inside else -1
 
+    where = [span_of(i) for i in range(len(sizes))]
     runs: list[range] = []
     first = 0
     for i in range(1, len(sizes) + 1):
         if i == len(sizes) or not (
             device_starts[i] - device_starts[i - 1] == _blocks(sizes[i - 1])
             and host_starts[i] - host_starts[i - 1] == _blocks(sizes[i - 1])
-            and span_of(i) >= 0
-            and span_of(i) == span_of(i - 1)
+            and where[i] >= 0
+            and where[i] == where[i - 1]
         ):
             runs.append(range(first, i))
             first = i
