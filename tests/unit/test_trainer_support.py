@@ -77,6 +77,11 @@ def _entry(rank: int, fn: Callable[..., None], world_size: int, port: int, args:
     torch.set_num_threads(1)
     try:
         fn(rank, world_size, *args)
+        if torch.distributed.is_initialized():
+            # every rank done before any tears its group down: a rank that destroyed its gloo
+            # group while another still worked (rank 0 saving its results) could abort the
+            # other's process ("terminate called without an active exception")
+            torch.distributed.barrier()
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
