@@ -21,9 +21,12 @@ from lora_support import MERGED_ATOL, PROMPTS, encode, lora_policy, train_batch
 from tandem.algorithms.losses import nll_loss
 from tandem.assets import write_random_qwen2
 from tandem.cluster.actors import GeneratorWorker, TrainerWorker
+from tandem.cluster.groups import InlineGroup
+from tandem.cluster.refit import CopyRefit
 from tandem.config.models import GenerationConfig, RefitConfig
 from tandem.generation import SamplingParams
 from tandem.tensors import span
+from tandem.tensors.packed import PackedStream
 from tandem.trainer import PolicyTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -75,6 +78,33 @@ def test_an_adapter_refit_of_392_tensors_is_a_handful_of_kernels(model: Path, dt
     for name, tensor in sent.items():
         assert torch.equal(loaded._params[name], tensor), name
     assert span(list(loaded._params.values())) is not None  # laid out in the stream's order
+
+
+def test_the_in_process_runtimes_refit_copies_the_packed_adapters_at_once(model: Path) -> None:
+    """The in-process runtime's refit (``CopyRefit``) hands the generator the trainer's packed
+    stream as it is (counting its bytes): re-yielded tensor by tensor it took the same three
+    data calls but a view, a name and a lookup per tensor on each side (0.85 against 0.18 ms a
+    refit of these 392 adapters on a CPU)."""
+    trainer, generator = _workers(model)
+    received: list[Any] = []
+    load = generator.load_weights
+    generator.load_weights = lambda stream, version=None: (  # type: ignore[method-assign]
+        received.append(stream),
+        load(stream, version),
+    )
+    trainers, generators = InlineGroup([trainer], "trainer"), InlineGroup([generator], "generator")
+    refit = CopyRefit()
+    refit.send(trainers, generators, 1, wait_generators=True)  # the first injects peft's layers
+    trainer.train(train_batch(), nll_loss)
+    with AtenCalls() as kernels:
+        stats = refit.send(trainers, generators, 2, wait_generators=True)
+    assert kernels.calls == SCALED + Counter({"copy_": 1})
+    assert all(isinstance(stream, PackedStream) for stream in received)
+    sent = dict(trainer.weight_stream())
+    assert stats["bytes"] == sum(t.numel() * t.element_size() for t in sent.values())
+    loaded = generator.generator.adapter  # type: ignore[attr-defined]
+    for name, tensor in sent.items():
+        assert torch.equal(loaded._params[name], tensor), name
 
 
 def test_an_adapter_refit_through_the_colocated_transport_packs_and_lands_in_one_copy(
