@@ -311,7 +311,10 @@ def test_storage_offload_onload_in_chunks_copies_within_each_segment(
         offload.offload()
         release_device_caches()
         offload.onload()
-        assert len(offload.spans) == len(chunks)
+        for tensor in tensors:  # each lies in an allocation the onload knows of
+            start = tensor.untyped_storage().data_ptr()
+            end = start + tensor.untyped_storage().nbytes()
+            assert any(low <= start and end <= high for low, high in offload.spans)
         if round_:
             assert offload.copies["offload"] <= len(chunks) + 2
         assert offload.copies["onload"] <= len(chunks) + 2

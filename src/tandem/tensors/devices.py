@@ -45,6 +45,17 @@ def release_device_caches() -> None:
     torch.cuda.empty_cache()
 
 
+def allocator_segments(device: torch.device) -> list[tuple[int, int]]:
+    """The address ranges (start, end) of the device allocations the CUDA caching allocator
+    holds on ``device``, sorted: bytes within one range lie in one allocation."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return sorted(
+        (segment["address"], segment["address"] + segment["total_size"])
+        for segment in torch.cuda.memory_snapshot()
+        if segment["device"] == index
+    )
+
+
 def reserve_segment(device: torch.device, num_bytes: int) -> int:
     """Grow the caching allocator by one segment of ``num_bytes``; later allocations split it.
     The address of the reserved block (0 for none): ``num_bytes`` from it lie in one device

@@ -13,8 +13,11 @@ onload carves them in the host's order from segments it reserves (the large ones
 caching allocator's small pool does not break the run), so from the second offload on the state
 moves in a few large copies instead of one per storage. A copy never spans two device
 allocations (CUDA refuses one that does, even where their addresses meet): storages join only
-inside a segment this offload reserved. Onload reserves a chunk at a time and starts its copies
-before reserving the next, so the device allocations overlap the copies in flight.
+inside one of the allocator's segments, as it lists them (``devices.allocator_segments``: at
+the start of an offload, and at the start of an onload plus the segments the onload reserves;
+the allocator may also place a storage in a free block of a segment that other tensors hold,
+which is then a run of its own). Onload reserves a chunk at a time and starts its copies before
+reserving the next, so the device allocations overlap the copies in flight.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tandem.tensors.devices import device_bytes, reserve_segment
+from tandem.tensors.devices import allocator_segments, device_bytes, reserve_segment
 from tandem.tensors.pinned import pinned_bytes
 
 BLOCK = 512
@@ -116,29 +119,12 @@ def _reused_host(previous: StorageOffload | None, sizes: list[int]) -> list[torc
     return [free[size].popleft() if free.get(size) else None for size in sizes]
 
 
-def _live_spans(previous: StorageOffload | None) -> list[tuple[int, int]]:
-    """The spans ``previous`` reserved that still hold one of its storages where its onload
-    put them (``previous`` keeps them alive: such a span's allocation is the same one)."""
-    if previous is None or not previous.spans:
-        return []
-    staying = sorted(
-        at
-        for holder, at, size in zip(previous.holders, previous.placed, previous.sizes, strict=True)
-        if holder.untyped_storage().data_ptr() == at and holder.untyped_storage().nbytes() == size
-    )
-    return [
-        (start, end)
-        for start, end in previous.spans
-        if bisect.bisect_left(staying, start) < bisect.bisect_left(staying, end)
-    ]
-
-
 class StorageOffload:
     """The distinct device storages behind ``tensors`` (found at construction, all resident)
     and their host copies (allocated at the first ``offload``, pinned where CUDA is).
     Storages behind ``discard`` are freed and given back without their bytes (gradient
     buffers that are zeroed before use). ``previous``: an earlier instance over (mostly) the
-    same storages, whose host memory and reserved segments are reused."""
+    same storages, whose host memory is reused."""
 
     def __init__(
         self,
@@ -171,10 +157,10 @@ class StorageOffload:
         still in flight after that)."""
         self.copies: dict[str, int] = {}
         """How many copies the last offload and onload made (``offload``, ``onload``)."""
-        self.placed = [t.untyped_storage().data_ptr() for t in self.holders]
-        """Where each storage lies on the device (as found, then as the last onload put it)."""
-        self.spans: list[tuple[int, int]] = _live_spans(previous)
-        """Device address ranges an onload reserved (sorted; each inside one allocation)."""
+        self.spans: list[tuple[int, int]] = []
+        """Device address ranges each inside one allocation (sorted): the allocator's
+        segments as the last offload or onload found them, and the segments that onload
+        reserved."""
 
     @property
     def nbytes(self) -> int:
@@ -243,24 +229,27 @@ class StorageOffload:
             for i, at in zip(missing, starts[:-1], strict=True):
                 self.host[i] = whole[at : at + self.sizes[i]]
         start = time.perf_counter()
+        self.spans = allocator_segments(self.device) if pin else []
         self.copies["offload"] = self._copy(range(len(self.sizes)), to_host=True)
         if pin:
             torch.cuda.synchronize(self.device)
         copied = time.perf_counter()
         for holder in self.holders + self.discarded:
             holder.untyped_storage().resize_(0)
-        self.spans = []  # the segments go back to the allocator
         self.seconds["offload_copy"] = copied - start
         self.seconds["offload_free"] = time.perf_counter() - copied
         self.resident = False
 
     def _reserve(self, sizes: Iterable[int]) -> None:
         """One device segment for the large storages of ``sizes``, allocated next in order;
-        where it lies joins ``spans``."""
+        a new allocation joins ``spans`` (one the allocator carved from a segment it held
+        is inside a span already)."""
         num_bytes = sum(_blocks(size) for size in sizes if size > SMALL)
         if self.device.type == "cuda" and num_bytes:
             address = reserve_segment(self.device, num_bytes)
-            bisect.insort(self.spans, (address, address + num_bytes))
+            at = bisect.bisect_right(self.spans, (address, address + num_bytes)) - 1
+            if at < 0 or self.spans[at][1] < address + num_bytes:
+                bisect.insort(self.spans, (address, address + num_bytes))
 
     def onload(self) -> None:
         """Give every storage its bytes back and copy them in from the host: a chunk's segment
@@ -273,6 +262,8 @@ class StorageOffload:
         start = time.perf_counter()
         if pin:
             torch.cuda.empty_cache()
+        # a storage lands in a reserved segment or in a free block of one that stays
+        self.spans = allocator_segments(self.device) if pin else []
         emptied = time.perf_counter()
         self.copies["onload"] = 0
         for chunk in self._chunks():
@@ -283,7 +274,6 @@ class StorageOffload:
         self._reserve(self.discarded_sizes)
         for holder, size in zip(self.discarded, self.discarded_sizes, strict=True):
             holder.untyped_storage().resize_(size)
-        self.placed = [h.untyped_storage().data_ptr() for h in self.holders]
         issued = time.perf_counter()
         if pin:
             torch.cuda.synchronize(self.device)
