@@ -246,3 +246,20 @@ def test_pack_parameters_lays_parameters_out_and_keeps_their_objects() -> None:
     assert [p.requires_grad for p in params] == [True, False, True]
     found = span(params)  # 12 and 3 floats, each at the next ALIGN_BYTES boundary
     assert found is not None and found[1] == [0, ALIGN_BYTES // 4, 2 * ALIGN_BYTES // 4]
+
+
+def test_a_placement_tells_tensors_moved_alike_from_tensors_laid_out_otherwise() -> None:
+    """``Placement.same``: where tensors lay when a layout was worked out. The same tensors
+    again; the same layout in another storage (an onload, a wake); another spacing."""
+    from tandem.tensors.packed import Placement
+
+    def views(flat: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
+        return [flat[at : at + 4] for at in offsets]
+
+    one = views(torch.zeros(64), [0, 8, 20])
+    placement = Placement()
+    assert placement.same(one) == (False, False)  # nothing known yet
+    assert placement.same(one) == (True, True)
+    assert placement.same(views(torch.zeros(64), [0, 8, 20])) == (False, True)
+    placement.same(one)
+    assert placement.same(views(torch.zeros(64), [0, 9, 20])) == (False, False)

@@ -27,6 +27,7 @@ from tandem.config.models import GenerationConfig, RefitConfig
 from tandem.generation import SamplingParams
 from tandem.tensors import span
 from tandem.tensors.packed import PackedStream
+from tandem.tensors.storage_offload import StorageOffload
 from tandem.trainer import PolicyTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -64,8 +65,9 @@ def _workers(model: Path, dtype: str = "float32") -> tuple[TrainerWorker, Genera
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_an_adapter_refit_of_392_tensors_is_a_handful_of_kernels(model: Path, dtype: str) -> None:
     """The trainer copies its A's in one call and scales its B's in one (casting as they
-    write), the generator copies them into its layers at once: where a copy and a multiply per
-    tensor took 588 calls (980 with the cast)."""
+    write), straight into the generator's layers: where a copy and a multiply per tensor took
+    588 calls (980 with the cast), and a copy into a tensor of its own and another into the
+    generator took 3."""
     trainer, generator = _workers(model, dtype)
     generator.load_weights(trainer.weight_stream(), 1)  # the first injects peft's layers
     trainer.train(train_batch(), nll_loss)
@@ -73,7 +75,7 @@ def test_an_adapter_refit_of_392_tensors_is_a_handful_of_kernels(model: Path, dt
     assert len(sent) == NUM_ADAPTERS
     with AtenCalls() as kernels:
         generator.load_weights(trainer.weight_stream(), 2)
-    assert kernels.calls == SCALED + Counter({"copy_": 1})
+    assert kernels.calls == SCALED
     loaded = generator.generator.adapter  # type: ignore[attr-defined]
     for name, tensor in sent.items():
         assert torch.equal(loaded._params[name], tensor), name
@@ -82,9 +84,9 @@ def test_an_adapter_refit_of_392_tensors_is_a_handful_of_kernels(model: Path, dt
 
 def test_the_in_process_runtimes_refit_copies_the_packed_adapters_at_once(model: Path) -> None:
     """The in-process runtime's refit (``CopyRefit``) hands the generator the trainer's packed
-    stream as it is (counting its bytes): re-yielded tensor by tensor it took the same three
-    data calls but a view, a name and a lookup per tensor on each side (0.85 against 0.18 ms a
-    refit of these 392 adapters on a CPU)."""
+    stream as it is (counting its bytes): re-yielded tensor by tensor it took a data call more
+    and a view, a name and a lookup per tensor on each side (0.85 against 0.18 ms a refit of
+    these 392 adapters on a CPU)."""
     trainer, generator = _workers(model)
     received: list[Any] = []
     load = generator.load_weights
@@ -98,7 +100,7 @@ def test_the_in_process_runtimes_refit_copies_the_packed_adapters_at_once(model:
     trainer.train(train_batch(), nll_loss)
     with AtenCalls() as kernels:
         stats = refit.send(trainers, generators, 2, wait_generators=True)
-    assert kernels.calls == SCALED + Counter({"copy_": 1})
+    assert kernels.calls == SCALED
     assert all(isinstance(stream, PackedStream) for stream in received)
     sent = dict(trainer.weight_stream())
     assert stats["bytes"] == sum(t.numel() * t.element_size() for t in sent.values())
@@ -218,9 +220,10 @@ def test_a_packed_stream_is_checked_once_and_a_stream_laid_out_otherwise_still_l
     model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In one process the trainer's stream is a ``PackedStream``: the generator checks its
-    layout against its own adapters once (one ``span`` walk over the 392 tensors), then copies
-    every later refit at once; a stream of the same tensors laid out with gaps is not
-    copied at once and still lands, tensor by tensor."""
+    layout against its own adapters once (one ``span`` walk over the 392 tensors), then has
+    every later refit written into them at once, also after its adapters' storage moved (a
+    sleep and wake: new addresses, the same layout); a stream of the same tensors laid out
+    with gaps is not copied at once and still lands, tensor by tensor."""
     from tandem.tensors import packed
     from tandem.tensors.packed import PackedStream, layout_of
 
@@ -234,13 +237,22 @@ def test_a_packed_stream_is_checked_once_and_a_stream_laid_out_otherwise_still_l
     trainer, generator = _workers(model)
     generator.load_weights(trainer.weight_stream(), 1)  # injects peft's layers
     loaded = generator.generator.adapter  # type: ignore[attr-defined]
-    for version in (2, 3):
+    first = next(iter(loaded._params.values()))
+    for version in (2, 3, 4):
+        if version == 4:  # the generator's adapters move, as a sleep and wake moves them
+            moved = StorageOffload(list(loaded._params.values()), torch.device("cpu"))
+            moved.offload()
+            blocker = torch.empty(first.untyped_storage().nbytes() // 4 + 1)  # takes the old place
+            before = first.data_ptr()
+            moved.onload()
+            assert first.data_ptr() != before
+            del blocker
         trainer.train(train_batch(), nll_loss)
         stream = trainer.weight_stream()
         assert isinstance(stream, PackedStream)
         with AtenCalls() as kernels:
             generator.load_weights(stream, version)
-        assert kernels.calls == Counter({"copy_": 1})
+        assert kernels.calls == SCALED
         for name, tensor in stream:
             assert torch.equal(loaded._params[name], tensor), name
     assert len(walks) == 1
@@ -254,7 +266,7 @@ def test_a_packed_stream_is_checked_once_and_a_stream_laid_out_otherwise_still_l
     flat = torch.zeros(offsets[-1] + tensors[-1].numel())
     for tensor, at in zip(tensors, offsets, strict=True):
         flat[at : at + tensor.numel()] = tensor.flatten()
-    generator.load_weights(PackedStream(names, layout_of(tensors, offsets), flat), 4)
+    generator.load_weights(PackedStream.of(names, layout_of(tensors, offsets), flat), 5)
     assert len(walks) == 2  # checked, and found laid out otherwise
     for name, tensor in zip(names, tensors, strict=True):
         assert torch.equal(loaded._params[name], tensor), name

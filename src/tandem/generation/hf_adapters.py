@@ -93,7 +93,7 @@ class PeftAdapter:
         if isinstance(stream, PackedStream) and self.rank is not None:
             flat = self._packed.target(list(self._params), list(self._params.values()), stream)
             if flat is not None:
-                flat.copy_(stream.flat)
+                stream.write_into(flat)
                 return
         items = list(stream)
         names = [name for name, _ in items]

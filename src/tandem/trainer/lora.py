@@ -24,7 +24,7 @@ from torch import nn
 from tandem.adapters import KINDS, adapter_name
 from tandem.config.lora import LoraConfig
 from tandem.tensors.copies import span
-from tandem.tensors.packed import Layout, PackedStream, layout_of
+from tandem.tensors.packed import Layout, PackedStream, Placement, layout_of
 
 ADAPTER = "default"
 """peft's name of the one adapter the trainer trains."""
@@ -107,9 +107,9 @@ class Adapters:
             raise ValueError(f"LoRA layers of several scalings {sorted(scalings)}: one expected")
         self.scaling = scalings.pop() if scalings else 1.0
         """alpha / rank, by which every B is scaled for a refit."""
-        self._placed: list[int] = []
+        self._placement = Placement()
         self._packed: tuple[Layout, int, int] | None = None
-        """``_plan()`` for the parameters' addresses ``_placed``."""
+        """``_plan()`` for the parameters as ``_placement`` last found them."""
 
     def metadata(
         self, dtype: torch.dtype | None = None
@@ -136,26 +136,30 @@ class Adapters:
     def scaled_copy(
         self, device: torch.device, dtype: torch.dtype | None = None
     ) -> PackedStream | None:
-        """What ``tensors(scaled=True)`` yields, as one new tensor (a ``PackedStream``), when
-        the parameters lie back to back on ``device`` in stream order
-        (``tensors.pack_parameters``; onload keeps them so): the A's copied and the B's
-        multiplied by the scaling, each in one call that also casts (when ``dtype`` differs),
-        instead of a copy and a multiply per tensor. None when they do not lie so (FSDP2
-        shards)."""
-        placed = [p.data_ptr() for p in self.params]
-        if placed != self._placed:  # laid out anew (an onload) or never looked at
-            self._placed, self._packed = placed, self._plan()
+        """What ``tensors(scaled=True)`` yields, as one ``PackedStream``, when the parameters
+        lie back to back on ``device`` in stream order (``tensors.pack_parameters``; onload
+        keeps them so): the A's copied and the B's multiplied by the scaling, each in one call
+        that also casts (when ``dtype`` differs), instead of a copy and a multiply per tensor,
+        written where the receiver asks (``PackedStream.write_into``). None when they do not
+        lie so (FSDP2 shards). The layout is worked out again only when they lie otherwise
+        relative to each other, not when an onload moved them alike."""
+        _, alike = self._placement.same(self.params)
+        if not alike:  # laid out anew or never looked at
+            self._packed = self._plan()
         first = self.params[0]
         if self._packed is None or first.device != device:
             return None
         layout, split, numel = self._packed
         flat = torch.empty(0, dtype=first.dtype, device=device)
         flat.set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
-        out = torch.empty(numel, dtype=dtype or flat.dtype, device=device)
-        out[:split].copy_(flat[:split])
-        # in the parameters' dtype and rounded once to the dtype sent, as ``tensors`` does
-        torch.mul(flat[split:], self.scaling, out=out[split:])
-        return PackedStream(self.names, layout, out)
+        scaling = self.scaling
+
+        def write(out: torch.Tensor) -> None:
+            out[:split].copy_(flat[:split])
+            # in the parameters' dtype and rounded once to the dtype sent, as ``tensors`` does
+            torch.mul(flat[split:], scaling, out=out[split:])
+
+        return PackedStream(self.names, layout, write, numel, dtype or flat.dtype, device)
 
     def _plan(self) -> tuple[Layout, int, int] | None:
         """The adapters' layout in the span they lie in, the element where the first B starts,
