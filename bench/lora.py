@@ -17,7 +17,9 @@ trainer's weight stream loaded by the generator), a generation (``--gen-prompts`
 - ``lora_merged``: as ``lora``, the refit sending merged full weights (``refit.lora=merged``;
   the generator computes without adapters).
 
-One JSON line per mode (medians of the rounds after the first; device bytes per phase: the
+One JSON line per mode (medians of the rounds after the first; ``refit_back_to_back_s`` and
+``refit_after_onload_s``: the refit alone, 20 in a row and 5 each after an offload and onload
+of the trainer; device bytes per phase: the
 trainer's and the generator's at build, the peaks of train, refit and generation, allocated
 after the trainer's offload and the trainer's share of it; ``refit_data_calls``: the aten calls
 that touch tensor data in one refit, a kernel launch or more each on a GPU, counted in one more
@@ -127,6 +129,28 @@ def _refit_data_calls(trainer: TrainerWorker, generator: GeneratorWorker, versio
     return calls.count
 
 
+def _refit_split(
+    trainer: TrainerWorker, generator: GeneratorWorker, version: int
+) -> dict[str, float]:
+    """The refit alone: the median of 20 back to back (nothing moved in between) and of 5 each
+    right after an offload and onload of the trainer (new addresses, an emptied cache)."""
+    back_to_back, after_onload = [], []
+    for i in range(20):
+        with _Timer() as timer:
+            generator.load_weights(trainer.weight_stream(), version + i)
+        back_to_back.append(timer.seconds)
+    for i in range(5):
+        trainer.set_residency(policy=False)
+        trainer.set_residency(policy=True)
+        with _Timer() as timer:
+            generator.load_weights(trainer.weight_stream(), version + 20 + i)
+        after_onload.append(timer.seconds)
+    return {
+        "refit_back_to_back_s": statistics.median(back_to_back),
+        "refit_after_onload_s": statistics.median(after_onload),
+    }
+
+
 def _measure(
     trainer: TrainerWorker, generator: GeneratorWorker, args: argparse.Namespace
 ) -> dict[str, list[float]]:
@@ -196,6 +220,7 @@ def run_mode(model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]
     resident = _allocated()
     figures = _measure(trainer, generator, args)
     data_calls = _refit_data_calls(trainer, generator, args.steps + 1)
+    split = _refit_split(trainer, generator, args.steps + 2)
     trained = sum(p.numel() for p in trainer.policy.model.parameters() if p.requires_grad)
     generator.shutdown()
     out: dict[str, Any] = {
@@ -204,6 +229,7 @@ def run_mode(model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]
         "rank": args.rank if lora else None,
         "trainable_params": trained,
         "refit_data_calls": data_calls,
+        **split,
         "resident_bytes_trainer_and_generator": resident,
         "trainer_bytes_at_build": built - before,
         "generator_bytes_at_load": resident - built,
@@ -251,7 +277,15 @@ def main() -> None:
                 torch.cuda.empty_cache()
     for mode in [mode for mode in results if mode != "full" and "full" in results]:
         full, lora = results["full"], results[mode]
-        keys = ("train_step_s", "train_peak_bytes", "refit_s", "refit_bytes", "generate_s")
+        keys = (
+            "train_step_s",
+            "train_peak_bytes",
+            "refit_s",
+            "refit_back_to_back_s",
+            "refit_after_onload_s",
+            "refit_bytes",
+            "generate_s",
+        )
         ratios = {key: round(lora[key] / full[key], 5) for key in keys if full[key]}
         goals = {f"{key}_goal": GOALS[key] for key in GOALS if mode != "lora_merged"}
         met = {f"{key}_met": ratios[key] <= GOALS[key] for key in GOALS if key in ratios}

@@ -16,6 +16,9 @@
 #       to /tmp/tandem-e2e, which a second call on the same warm machine reuses)
 #   bash bench/lora_gpu.sh trl            (c) the 1.5B LoRA GRPO step, tandem and TRL's
 #       GRPOTrainer (peft LoraConfig of the same rank and modules) alternating
+#   bash bench/lora_gpu.sh trl-mp         (c) with policy.mixed_precision on tandem's side (fp32
+#       adapters, bf16 compute, as TRL's --bf16 autocast computes them; without it peft casts
+#       every adapted layer's input to fp32)
 #   bash bench/lora_gpu.sh --tiny all     every part at a tiny shape (one layer of 0.5B), on a
 #       CPU too: checks the script end to end
 #
@@ -28,7 +31,7 @@ set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
 tiny=0
 if [ "${1:-}" = "--tiny" ]; then tiny=1; shift; fi
-[ $# -gt 0 ] || { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 OUT=${OUT:-/tmp/lora-out}
 PYTHON=${PYTHON:-python3}
 TRL_PYTHON=${TRL_PYTHON:-$PYTHON}
@@ -82,8 +85,10 @@ for what in "$@"; do
         7b-resident) part 7b-resident "${limit[1]}" "${e2e[@]}" "${big[@]}" --set policy.lora.offload_base=false ;;
         7b) "$0" $([ $tiny = 1 ] && echo --tiny) 7b-offload 7b-resident ;;
         trl) part trl "${limit[2]}" "${e2e[@]}" "${small[@]}" --trl --rounds 2 --trl-python "$TRL_PYTHON" ;;
+        trl-mp) part trl-mp "${limit[2]}" "${e2e[@]}" "${small[@]}" --mixed-precision --trl --rounds 2 \
+                    --trl-python "$TRL_PYTHON" ;;
         all) "$0" $([ $tiny = 1 ] && echo --tiny) refit 7b trl ;;
-        *) echo "lora_gpu.sh: unknown part '$what' (refit, 7b, 7b-offload, 7b-resident, trl, all)" >&2
+        *) echo "lora_gpu.sh: unknown part '$what' (refit, 7b, 7b-offload, 7b-resident, trl, trl-mp, all)" >&2
            exit 2 ;;
     esac
 done
