@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU measurements of open goals, in parts that fit one device call of at most 10 minutes
+# each (bench/gpu_suite.sh runs everything in one go and takes longer). Run from the checkout's
+# root on the GPU machine; the offline bundle in .gpu/ (scripts/offline_bundle.sh, docs/gpu.md)
+# is unpacked when .gpu/site is missing. Each command of a part runs under its own time limit;
+# its whole log goes to $OUT/<part>-<n>.log (default OUT=/tmp/gpu-parts), and only its JSON
+# lines, pytest's summary and errors are printed, so a call's output stays short.
+#
+#   bash bench/gpu_parts.sh PART [PART ...]
+#   offload      storage offload and Megatron GPU tests; the Megatron trainer's offload/onload
+#                against the pinned-copy ceiling (bench/megatron_parity.py --only offload)  ~200 s
+#   lora-refit   1.5B rank-32 adapter refit against the full refit, in the loop, back to back and
+#                after an onload (bench/lora.py)                                             ~150 s
+#   lora-phases  LoRA generate/train phases against the full model's, then LoRA with
+#                policy.mixed_precision (bench/lora_phases.py)                               ~250 s
+#   lora-trl     tandem's LoRA GRPO step against TRL's, bf16 compute (bench/lora_gpu.sh trl-mp)
+#   tests        every GPU test                                                              ~300 s
+set -u
+cd "$(dirname "$0")/.."
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -gt 0 ] || usage
+for part in "$@"; do
+    case $part in offload | lora-refit | lora-phases | lora-trl | tests) ;; *) usage ;; esac
+done
+OUT=${OUT:-/tmp/gpu-parts}
+mkdir -p "$OUT"
+if command -v nvidia-smi >/dev/null && ! python3 -c "import pydantic, ray" 2>/dev/null; then
+    [ -d .gpu/site ] || bash .gpu/unpack.sh >/dev/null || { echo "no .gpu/: run scripts/offline_bundle.sh"; exit 2; }
+    export PYTHONPATH=$PWD/.gpu/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD/src:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}
+export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+git log --oneline -1 2>/dev/null || true
+
+run() {  # part, limit in seconds, command...
+    local part=$1 limit=$2
+    shift 2
+    local n=1
+    while [ -e "$OUT/$part-$n.log" ]; do n=$((n + 1)); done
+    local log="$OUT/$part-$n.log" start=$SECONDS
+    timeout --signal=INT --kill-after=20 "$limit" "$@" >"$log" 2>&1
+    local rc=$?
+    grep -E '^\{|^(FAILED|ERROR) |[0-9]+ (passed|failed|skipped)|Error:' "$log" | cut -c1-2000
+    echo "== $part-$n rc=$rc $((SECONDS - start))s: $*"
+}
+
+gpu_tests=(python3 -m pytest -q -p no:cacheprovider -rfE)
+for part in "$@"; do
+    case $part in
+        offload)
+            run offload 120 "${gpu_tests[@]}" tests/gpu/test_offload_gpu.py tests/gpu/test_megatron_gpu.py
+            run offload 200 python3 bench/megatron_parity.py --only offload ;;
+        lora-refit)
+            run lora-refit 240 python3 bench/lora.py --shape 1.5b --rank 32 --batch 8 --seq 512 \
+                --steps 3 --modes full lora ;;
+        lora-phases)
+            run lora-phases 200 python3 bench/lora_phases.py --shape 1.5b
+            run lora-phases 150 python3 bench/lora_phases.py --shape 1.5b --modes lora --mixed-precision ;;
+        lora-trl)
+            export LIMIT=${LIMIT:-520}  # lora_gpu.sh's own limit, inside this one
+            run lora-trl 560 bash bench/lora_gpu.sh trl-mp ;;
+        tests)
+            run tests 560 "${gpu_tests[@]}" tests/gpu ;;
+    esac
+done
