@@ -14,10 +14,12 @@ caching allocator's small pool does not break the run), so from the second offlo
 moves in a few large copies instead of one per storage. A copy never spans two device
 allocations (CUDA refuses one that does, even where their addresses meet): storages join only
 inside one of the allocator's segments, as it lists them (``devices.allocator_segments``: at
-the start of an offload, and at the start of an onload plus the segments the onload reserves;
-the allocator may also place a storage in a free block of a segment that other tensors hold,
-which is then a run of its own). Onload reserves a chunk at a time and starts its copies before
-reserving the next, so the device allocations overlap the copies in flight.
+the start of an offload; at the start of an onload, plus the segments it reserves, and again
+before the small pool's storages are copied, which may get a segment of their own). The
+allocator gives a storage the smallest free block that fits, which may lie in a segment other
+tensors hold rather than in the one reserved for it: such storages still join their neighbours
+inside that segment. Onload reserves a chunk at a time and starts its copies before reserving
+the next, so the device allocations overlap the copies in flight.
 """
 
 from __future__ import annotations
@@ -270,6 +272,9 @@ class StorageOffload:
             self._reserve(self.sizes[chunk.start : chunk.stop])
             for i in chunk:
                 self.holders[i].untyped_storage().resize_(self.sizes[i])
+            if pin and self.sizes[chunk.stop - 1] <= SMALL:
+                # the small pool may have made a segment of its own for them: look again
+                self.spans = allocator_segments(self.device)
             self.copies["onload"] += self._copy(chunk, to_host=False)
         self._reserve(self.discarded_sizes)
         for holder, size in zip(self.discarded, self.discarded_sizes, strict=True):
