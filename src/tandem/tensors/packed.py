@@ -33,7 +33,7 @@ def layout_of(tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> Layout
 
 
 class Placement:
-    """Where tensors lay (their addresses) when a layout was worked out for them. ``moved``
+    """Where tensors lay (their addresses) when a layout was worked out for them. ``same``
     tells whether they still lie so relative to each other inside the first one's storage (a
     storage offloaded and onloaded, or tensors laid out again the same way), so that the
     layout still holds. One ``data_ptr`` per tensor."""
