@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from typing import Any
+
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,15 +49,31 @@ def release_device_caches() -> None:
     torch.cuda.empty_cache()
 
 
-def allocator_segments(device: torch.device) -> list[tuple[int, int]]:
-    """The address ranges (start, end) of the device allocations the CUDA caching allocator
-    holds on ``device``, sorted: bytes within one range lie in one allocation."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return sorted(
-        (segment["address"], segment["address"] + segment["total_size"])
-        for segment in torch.cuda.memory_snapshot()
-        if segment["device"] == index
-    )
+class CudaDriverError(RuntimeError):
+    """A CUDA driver call failed (the message names the call and its CUresult)."""
+
+
+@functools.cache
+def _libcuda() -> Any:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuMemGetAddressRange_v2.argtypes = [
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.c_uint64,
+    ]
+    return lib
+
+
+def allocation_range(ptr: int, device: torch.device) -> tuple[int, int]:
+    """(base, size) of the device allocation that address ``ptr`` lies in
+    (``cuMemGetAddressRange``): bytes between two addresses of one such range can be copied in
+    one call, across two they cannot, even where the ranges meet."""
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    with torch.cuda.device(device):  # the driver API acts on the current context
+        code = _libcuda().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
+    if code != 0:
+        raise CudaDriverError(f"cuMemGetAddressRange failed with CUresult {code}")
+    return base.value, size.value
 
 
 def reserve_segment(device: torch.device, num_bytes: int) -> int:

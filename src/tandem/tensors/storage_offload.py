@@ -13,13 +13,12 @@ onload carves them in the host's order from segments it reserves (the large ones
 caching allocator's small pool does not break the run), so from the second offload on the state
 moves in a few large copies instead of one per storage. A copy never spans two device
 allocations (CUDA refuses one that does, even where their addresses meet): storages join only
-inside one of the allocator's segments, as it lists them (``devices.allocator_segments``: at
-the start of an offload; at the start of an onload, plus the segments it reserves, and again
-before the small pool's storages are copied, which may get a segment of their own). The
-allocator gives a storage the smallest free block that fits, which may lie in a segment other
-tensors hold rather than in the one reserved for it: such storages still join their neighbours
-inside that segment. Onload reserves a chunk at a time and starts its copies before reserving
-the next, so the device allocations overlap the copies in flight.
+inside one device allocation, as the driver reports it (``devices.allocation_range``, looked up
+once per allocation an offload or onload meets). The caching allocator gives a storage the
+smallest free block that fits, which may lie in a segment other tensors hold rather than in the
+one reserved for it: such storages still join their neighbours there. Onload reserves a chunk at
+a time and starts its copies before reserving the next, so the device allocations overlap the
+copies in flight.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tandem.tensors.devices import allocator_segments, device_bytes, reserve_segment
+from tandem.tensors.devices import allocation_range, device_bytes, reserve_segment
 from tandem.tensors.pinned import pinned_bytes
 
 BLOCK = 512
@@ -160,9 +159,8 @@ class StorageOffload:
         self.copies: dict[str, int] = {}
         """How many copies the last offload and onload made (``offload``, ``onload``)."""
         self.spans: list[tuple[int, int]] = []
-        """Device address ranges each inside one allocation (sorted): the allocator's
-        segments as the last offload or onload found them, and the segments that onload
-        reserved."""
+        """The device allocations (start, end) the storages of the last offload or onload lay
+        in (sorted): each looked up once, while a live storage held it."""
 
     @property
     def nbytes(self) -> int:
@@ -186,11 +184,11 @@ class StorageOffload:
         device_starts = [h.untyped_storage().data_ptr() for h in holders]
         host_starts = [h.data_ptr() for h in hosts]
         # only the CUDA caching allocator's blocks are known to hold nothing between them
-        runs = (
-            copy_runs(device_starts, host_starts, sizes, self.spans)
-            if pin
-            else [range(i, i + 1) for i in range(len(sizes))]
-        )
+        if pin:
+            self._look_up(device_starts)
+            runs = copy_runs(device_starts, host_starts, sizes, self.spans)
+        else:
+            runs = [range(i, i + 1) for i in range(len(sizes))]
         for run in runs:
             first, last = run[0], run[-1]
             if len(run) == 1:
@@ -205,6 +203,16 @@ class StorageOffload:
             else:
                 device.copy_(host, non_blocking=pin)
         return len(runs)
+
+    def _look_up(self, device_starts: list[int]) -> None:
+        """Add to ``spans`` the allocation of every address not inside one yet. An entry
+        stays true while the storage it was looked up for holds its allocation: ``spans``
+        starts empty at each offload and onload, whose storages stay alive throughout."""
+        for start in device_starts:
+            at = bisect.bisect_right(self.spans, (start, 1 << 64)) - 1
+            if at < 0 or start >= self.spans[at][1]:
+                base, size = allocation_range(start, self.device)
+                bisect.insort(self.spans, (base, base + size))
 
     def _chunks(self) -> list[range]:
         """The storages in host order, cut where the large ones reach about ``CHUNK`` bytes."""
@@ -231,7 +239,7 @@ class StorageOffload:
             for i, at in zip(missing, starts[:-1], strict=True):
                 self.host[i] = whole[at : at + self.sizes[i]]
         start = time.perf_counter()
-        self.spans = allocator_segments(self.device) if pin else []
+        self.spans = []
         self.copies["offload"] = self._copy(range(len(self.sizes)), to_host=True)
         if pin:
             torch.cuda.synchronize(self.device)
@@ -243,15 +251,10 @@ class StorageOffload:
         self.resident = False
 
     def _reserve(self, sizes: Iterable[int]) -> None:
-        """One device segment for the large storages of ``sizes``, allocated next in order;
-        a new allocation joins ``spans`` (one the allocator carved from a segment it held
-        is inside a span already)."""
+        """One device segment for the large storages of ``sizes``, allocated next in order."""
         num_bytes = sum(_blocks(size) for size in sizes if size > SMALL)
         if self.device.type == "cuda" and num_bytes:
-            address = reserve_segment(self.device, num_bytes)
-            at = bisect.bisect_right(self.spans, (address, address + num_bytes)) - 1
-            if at < 0 or self.spans[at][1] < address + num_bytes:
-                bisect.insort(self.spans, (address, address + num_bytes))
+            reserve_segment(self.device, num_bytes)
 
     def onload(self) -> None:
         """Give every storage its bytes back and copy them in from the host: a chunk's segment
@@ -264,17 +267,13 @@ class StorageOffload:
         start = time.perf_counter()
         if pin:
             torch.cuda.empty_cache()
-        # a storage lands in a reserved segment or in a free block of one that stays
-        self.spans = allocator_segments(self.device) if pin else []
+        self.spans = []
         emptied = time.perf_counter()
         self.copies["onload"] = 0
         for chunk in self._chunks():
             self._reserve(self.sizes[chunk.start : chunk.stop])
             for i in chunk:
                 self.holders[i].untyped_storage().resize_(self.sizes[i])
-            if pin and self.sizes[chunk.stop - 1] <= SMALL:
-                # the small pool may have made a segment of its own for them: look again
-                self.spans = allocator_segments(self.device)
             self.copies["onload"] += self._copy(chunk, to_host=False)
         self._reserve(self.discarded_sizes)
         for holder, size in zip(self.discarded, self.discarded_sizes, strict=True):

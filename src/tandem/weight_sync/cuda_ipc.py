@@ -7,7 +7,7 @@ docs/benchmarks/2026-12-03-gpu-refit-offload-mfu.md), torch re-wraps the storage
 every tensor it shares, and a shared block stays allocated until the receiver has rebuilt *and*
 released it — a receiver that never maps it leaks it. A trainer's parameters after ``onload()``
 are carved from a handful of allocator segments, so the refit shares *segments* instead: the
-sender finds the allocation a tensor lives in (``cuMemGetAddressRange``) and exports it once;
+sender finds the allocation a tensor lives in (``devices.allocation_range``) and exports it once;
 the receiver maps it on first use and reads every tensor at its offset, and unmaps it before
 the sender may free it. libcuda is the driver every CUDA process has loaded; nothing here
 allocates.
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tandem.tensors.devices import device_bytes
+from tandem.tensors.devices import CudaDriverError, allocation_range, device_bytes
 
 HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 1
@@ -40,11 +40,6 @@ class CudaIpcError(RuntimeError):
 @functools.cache
 def _driver() -> Any:
     lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuMemGetAddressRange_v2.argtypes = [
-        ctypes.POINTER(ctypes.c_uint64),
-        ctypes.POINTER(ctypes.c_size_t),
-        ctypes.c_uint64,
-    ]
     lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_Handle), ctypes.c_uint64]
     lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _Handle, ctypes.c_uint]
     lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
@@ -83,16 +78,14 @@ class SegmentTable:
             segment = self._segments[i]
             if ptr < segment.base + segment.size:
                 return self.ids[segment.base], ptr - segment.base, False
-        base, size, handle = ctypes.c_uint64(), ctypes.c_size_t(), _Handle()
+        try:
+            base, size = allocation_range(ptr, self.device)
+        except CudaDriverError as error:
+            raise CudaIpcError(str(error)) from error
+        handle = _Handle()
         with torch.cuda.device(self.device):  # the driver API acts on the current context
-            _check(
-                _driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr),
-                "cuMemGetAddressRange",
-            )
-            _check(
-                _driver().cuIpcGetMemHandle(ctypes.byref(handle), base.value), "cuIpcGetMemHandle"
-            )
-        segment = Segment(base.value, size.value, bytes(handle.reserved))
+            _check(_driver().cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
+        segment = Segment(base, size, bytes(handle.reserved))
         i = bisect.bisect_right(self._bases, segment.base)
         self._bases.insert(i, segment.base)
         self._segments.insert(i, segment)
