@@ -7,8 +7,8 @@
 # lines, pytest's summary and errors are printed, so a call's output stays short.
 #
 #   bash bench/gpu_parts.sh PART [PART ...]
-#   offload      storage offload and Megatron GPU tests; the Megatron trainer's offload/onload
-#                against the pinned-copy ceiling (bench/megatron_parity.py --only offload)  ~200 s
+#   offload      storage offload, Megatron and CUDA IPC refit GPU tests; the Megatron trainer's
+#                offload/onload against the pinned-copy ceiling (megatron_parity --only offload) ~250 s
 #   lora-refit   1.5B rank-32 adapter refit against the full refit, in the loop, back to back and
 #                after an onload (bench/lora.py)                                             ~150 s
 #   lora-phases  LoRA generate/train phases against the full model's, then LoRA with
@@ -49,7 +49,8 @@ gpu_tests=(python3 -m pytest -q -p no:cacheprovider -rfE)
 for part in "$@"; do
     case $part in
         offload)
-            run offload 120 "${gpu_tests[@]}" tests/gpu/test_offload_gpu.py tests/gpu/test_megatron_gpu.py
+            run offload 180 "${gpu_tests[@]}" tests/gpu/test_offload_gpu.py \
+                tests/gpu/test_megatron_gpu.py tests/gpu/test_refit_gpu.py
             run offload 200 python3 bench/megatron_parity.py --only offload ;;
         lora-refit)
             run lora-refit 240 python3 bench/lora.py --shape 1.5b --rank 32 --batch 8 --seq 512 \
