@@ -76,13 +76,7 @@ def allocation_range(ptr: int, device: torch.device) -> tuple[int, int]:
     return base.value, size.value
 
 
-def reserve_segment(device: torch.device, num_bytes: int) -> int:
-    """Grow the caching allocator by one segment of ``num_bytes``; later allocations split it.
-    The address of the reserved block (0 for none): ``num_bytes`` from it lie in one device
-    allocation."""
-    if num_bytes <= 0:
-        return 0
-    block = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    address = block.data_ptr()
-    del block
-    return address
+def reserve_segment(device: torch.device, num_bytes: int) -> None:
+    """Grow the caching allocator by one segment of ``num_bytes``; later allocations split it."""
+    if num_bytes > 0:
+        torch.empty(num_bytes, dtype=torch.uint8, device=device)  # freed at once, kept cached
