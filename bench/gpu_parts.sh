@@ -13,11 +13,12 @@
 #                after an onload (bench/lora.py)                                             ~150 s
 #   lora-phases  LoRA generate/train phases against the full model's, then LoRA with
 #                policy.mixed_precision (bench/lora_phases.py)                               ~250 s
-#   lora-trl     tandem's LoRA GRPO step against TRL's, bf16 compute (bench/lora_gpu.sh trl-mp)
+#   lora-trl     tandem's LoRA GRPO step against TRL's, bf16 compute, trainer and generator kept
+#                resident (bench/lora_gpu.sh trl-resident)                                 ~560 s
 #   tests        every GPU test                                                              ~300 s
 set -u
 cd "$(dirname "$0")/.."
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -gt 0 ] || usage
 for part in "$@"; do
     case $part in offload | lora-refit | lora-phases | lora-trl | tests) ;; *) usage ;; esac
@@ -60,7 +61,7 @@ for part in "$@"; do
             run lora-phases 150 python3 bench/lora_phases.py --shape 1.5b --modes lora --mixed-precision ;;
         lora-trl)
             export LIMIT=${LIMIT:-520}  # lora_gpu.sh's own limit, inside this one
-            run lora-trl 560 bash bench/lora_gpu.sh trl-mp ;;
+            run lora-trl 560 bash bench/lora_gpu.sh trl-resident ;;
         tests)
             run tests 560 "${gpu_tests[@]}" tests/gpu ;;
     esac

@@ -19,6 +19,9 @@
 #   bash bench/lora_gpu.sh trl-mp         (c) with policy.mixed_precision on tandem's side (fp32
 #       adapters, bf16 compute, as TRL's --bf16 autocast computes them; without it peft casts
 #       every adapted layer's input to fp32)
+#   bash bench/lora_gpu.sh trl-resident   (c) as trl-mp, with cluster.memory_phases=false: trainer
+#       and generator stay on the device together (no offload/onload, sleep/wake a step), as
+#       TRL's trainer and its generation do
 #   bash bench/lora_gpu.sh --tiny all     every part at a tiny shape (one layer of 0.5B), on a
 #       CPU too: checks the script end to end
 #
@@ -31,7 +34,7 @@ set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
 tiny=0
 if [ "${1:-}" = "--tiny" ]; then tiny=1; shift; fi
-[ $# -gt 0 ] || { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 OUT=${OUT:-/tmp/lora-out}
 PYTHON=${PYTHON:-python3}
 TRL_PYTHON=${TRL_PYTHON:-$PYTHON}
@@ -87,8 +90,10 @@ for what in "$@"; do
         trl) part trl "${limit[2]}" "${e2e[@]}" "${small[@]}" --trl --rounds 2 --trl-python "$TRL_PYTHON" ;;
         trl-mp) part trl-mp "${limit[2]}" "${e2e[@]}" "${small[@]}" --mixed-precision --trl --rounds 2 \
                     --trl-python "$TRL_PYTHON" ;;
+        trl-resident) part trl-resident "${limit[2]}" "${e2e[@]}" "${small[@]}" --mixed-precision --trl \
+                    --rounds 2 --trl-python "$TRL_PYTHON" --set cluster.memory_phases=false ;;
         all) "$0" $([ $tiny = 1 ] && echo --tiny) refit 7b trl ;;
-        *) echo "lora_gpu.sh: unknown part '$what' (refit, 7b, 7b-offload, 7b-resident, trl, trl-mp, all)" >&2
+        *) echo "lora_gpu.sh: unknown part '$what' (refit, 7b, 7b-offload, 7b-resident, trl, trl-mp, trl-resident, all)" >&2
            exit 2 ;;
     esac
 done

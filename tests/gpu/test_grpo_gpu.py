@@ -128,3 +128,22 @@ def test_megatron_backend(model_dir: Path, tmp_path: Path, dtype: str) -> None:
         model_dir, tmp_path, f"megatron-{dtype}", "policy.backend=megatron", f"policy.dtype={dtype}"
     )
     check_steps(records, bound=1e-5 if dtype == "float32" else 1e-2)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_lora_kept_resident_moves_nothing_between_phases(model_dir: Path, tmp_path: Path) -> None:
+    """``cluster.memory_phases=false``: trainer and generator stay on the device together (a LoRA
+    policy fits beside its generator), so no step offloads, onloads, sleeps or wakes; the adapter
+    refit still reaches the generator (parity in fp32)."""
+    records = run(
+        model_dir, tmp_path, "resident", "cluster.memory_phases=false",
+        "policy.lora.rank=8", "policy.lora.alpha=16", "policy.optimizer.lr=1e-3",
+    )  # fmt: skip
+    steps = [r for r in records if r["step"] >= 1]
+    assert len(steps) == STEPS
+    for record in steps:
+        moved = {k: v for k, v in record.items() if k.startswith("timing/") and v and any(
+            w in k for w in ("offload", "onload", "sleep", "wake"))}  # fmt: skip
+        assert not moved, (record["step"], moved)
+        assert "memory/trainer_bytes_offloaded" not in record
+        assert record["gen/logprob_mismatch"] <= 1e-5, record["step"]

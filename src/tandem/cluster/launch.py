@@ -149,7 +149,9 @@ def launch_ray(spec: RuntimeSpec) -> Runtime:
     init_ray(address=cluster.address)
     placement = make_placement(cluster, spec.num_scorers, spec.scorer_placement)
     on_gpus = [s.num_gpus > 0 for s in [*placement.trainer_bundles, *placement.generator_bundles]]
+    # colocated on GPUs: the two sides take turns on each device (unless told to stay resident)
     colocated_gpus = cluster.placement == "colocated" and any(on_gpus)
+    memory_phases = colocated_gpus and cluster.memory_phases
     settings = ProcessSettings(actor_threads(cluster), keep_freed_host_memory=not any(on_gpus))
     group = functools.partial(  # what every group of actors shares
         WorkerGroup,
@@ -183,7 +185,7 @@ def launch_ray(spec: RuntimeSpec) -> Runtime:
         trainers,
         started.get("generator"),
         refit=TransportRefit(),
-        memory_phases=colocated_gpus,
+        memory_phases=memory_phases,
         discards_weights=spec.generation.sleep_level == 2,
         with_reference=spec.with_reference,
         weights_current=spec.generation.precision != "fp8",
@@ -197,7 +199,7 @@ def launch_ray(spec: RuntimeSpec) -> Runtime:
         where=f"Ray actors, {placement.mode}",
     )
     runtime.placement = placement
-    if colocated_gpus:  # pinned while the generators load and first generate
+    if memory_phases:  # pinned while the generators load and first generate
         trainers.run("pin_offload_memory")
     return runtime
 

@@ -27,6 +27,12 @@ class ClusterConfig(Section):
     """Ray address to join (also read from RAY_ADDRESS); None starts a local loopback cluster."""
     placement: Literal["colocated", "split"] = "colocated"
     """colocated: trainers and generators share devices; split: they own separate devices."""
+    memory_phases: bool = True
+    """Colocated GPUs: the trainers offload their state and the generators sleep while the
+    other side works (cluster/runtime.py), so each side has the device to itself. false keeps
+    both resident: no copies to and from the host each step, for runs whose trainer state,
+    generator weights, KV cache and activations fit on the device together (a LoRA policy
+    or a small model on a large GPU; vLLM keeps generation.gpu_memory_utilization of it)."""
     num_trainers: int = Field(1, ge=1)
     """Trainer actors (data-parallel / FSDP2 ranks)."""
     num_generators: int = Field(1, ge=1)
