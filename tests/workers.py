@@ -53,6 +53,17 @@ class EchoWorker:
         if only_rank is None or only_rank == self.rank:
             raise ValueError(message)
 
+    def run_out_of_memory(self, only_rank: int) -> None:
+        """Raises what torch raises when a CUDA allocation fails."""
+        if only_rank == self.rank:
+            import torch
+
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                "79.19 GiB of which 1.06 GiB is free. Of the allocated memory 74.2 GiB is "
+                "allocated by PyTorch"
+            )
+
     def exit(self, only_rank: int) -> None:
         """The process dies mid-call, as on a segfault or the OOM killer."""
         if only_rank == self.rank:

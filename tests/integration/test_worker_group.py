@@ -76,6 +76,23 @@ def test_method_exception_names_rank_and_method(ray_cluster: None) -> None:
         group.shutdown()
 
 
+def test_running_out_of_device_memory_names_the_settings_not_the_traceback(
+    ray_cluster: None,
+) -> None:
+    for kind, setting in [("trainer", "policy.micro_batch_size"), ("generator", "max_tokens")]:
+        group = _group(2, kind)
+        try:
+            with pytest.raises(WorkerError, match=rf"{kind} worker rank 1 failed") as err:
+                group.run("run_out_of_memory", 1)
+            message = str(err.value)
+            assert "out of device memory (CUDA out of memory. Tried to allocate 2.00 GiB)" in message
+            assert setting in message and "cluster.memory_phases" in message
+            assert "Traceback" not in message and "\n" not in message
+            assert group.run("add", 1) == [1, 2]
+        finally:
+            group.shutdown()
+
+
 def test_dead_actor_raises_worker_error(ray_cluster: None) -> None:
     # The process exits inside the call (deterministic, unlike ray.kill, whose kill request can
     # reach the actor after a task submitted behind it has already run).

@@ -8,6 +8,7 @@ caller's thread (a run in the driver's process). No ray import here.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -20,6 +21,32 @@ class WorkerError(RuntimeError):
     def __init__(self, kind: str, rank: int, method: str, message: str):
         self.kind, self.rank, self.method = kind, rank, method
         super().__init__(f"{kind} worker rank {rank} failed in {method}(): {message}")
+
+
+OUT_OF_MEMORY_FIX = {
+    "trainer": "lower policy.micro_batch_size or policy.max_tokens_per_micro_batch, or set "
+    "policy.activation_checkpointing=true",
+    "generator": "lower algorithm.prompts_per_step or generation.sampling.max_tokens (vLLM: "
+    "generation.gpu_memory_utilization)",
+}
+"""What to change when a worker of a kind runs out of device memory."""
+
+
+def failure_message(kind: str, cause: BaseException, remote: str | None = None) -> str:
+    """What a ``WorkerError`` says of a method that raised ``cause`` (``remote``: the worker's
+    traceback, kept for a failure nobody can fix from the config). Running out of device memory
+    is a setting's doing: its message says what the worker tried to allocate and which
+    settings to change, without the traceback."""
+    detail = f"{type(cause).__name__}: {cause}"
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(cause, torch.OutOfMemoryError):
+        tried = ". ".join(str(cause).split(". ")[:2]).rstrip(".")
+        fix = OUT_OF_MEMORY_FIX.get(kind, "give it less work at once")
+        return (
+            f"out of device memory ({tried}): {fix}; with cluster.memory_phases=false the "
+            "trainers and generators hold the device at once (true lets them take turns)"
+        )
+    return detail if remote is None else f"{detail}\n{remote}"
 
 
 class Group(Protocol):
@@ -98,7 +125,7 @@ class LocalGroup:
                 results.append(future.result())
             except Exception as err:
                 raise WorkerError(
-                    self.kind, rank, futures.method, f"{type(err).__name__}: {err}"
+                    self.kind, rank, futures.method, failure_message(self.kind, err)
                 ) from err
         return results
 

@@ -34,7 +34,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from tandem.cluster.envs import build_on_all_nodes, runtime_env_for
 from tandem.cluster.envs import env_mode as resolve_env_mode
-from tandem.cluster.groups import WorkerError
+from tandem.cluster.groups import WorkerError, failure_message
 from tandem.cluster.placement import ActorSlot
 from tandem.cluster.ray_cluster import LOOPBACK, alive_nodes, bind_to, node_ip
 from tandem.imports import pause_gc, resume_gc
@@ -258,9 +258,9 @@ class WorkerGroup:
             return ray.get(ref)
         except RayTaskError as err:
             cause = err.cause if err.cause is not None else err
-            detail = f"{type(cause).__name__}: {cause}"
             remote = _ANSI.sub("", str(err))  # Ray colours the remote traceback's header
-            raise WorkerError(self.kind, rank, method, f"{detail}\n{remote}") from err
+            message = failure_message(self.kind, cause, remote)
+            raise WorkerError(self.kind, rank, method, message) from err
         except (RayActorError, ActorUnavailableError) as err:
             raise WorkerError(self.kind, rank, method, f"actor died: {err}") from err
 
