@@ -85,7 +85,8 @@ def test_running_out_of_device_memory_names_the_settings_not_the_traceback(
             with pytest.raises(WorkerError, match=rf"{kind} worker rank 1 failed") as err:
                 group.run("run_out_of_memory", 1)
             message = str(err.value)
-            assert "out of device memory (CUDA out of memory. Tried to allocate 2.00 GiB)" in message
+            tried = "out of device memory (CUDA out of memory. Tried to allocate 2.00 GiB)"
+            assert tried in message
             assert setting in message and "cluster.memory_phases" in message
             assert "Traceback" not in message and "\n" not in message
             assert group.run("add", 1) == [1, 2]
