@@ -281,6 +281,10 @@ def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
             rounds.append((off_s, on_s, left))
             # the ceiling between rounds (a 4 GiB pinned copy at most): the link's rate drifts
             ceilings.append(_copy_seconds(min(trainer._offload.nbytes, 4 * 2**30))[:2])
+        # each round as it ends: a run cut short by its time limit still shows the copies
+        emit({"figure": "megatron_offload_round", "round": index, "offload_s": round(off_s, 4),
+              "onload_s": round(on_s, 4), "bytes_after_offload": left,
+              "copies": trainer._offload.copies})  # fmt: skip
     parts = {f"{k}_s": round(v, 4) for k, v in trainer._offload.seconds.items()}
     moved = trainer._offload.nbytes
     ceiling_bytes = min(moved, 4 * 2**30)
@@ -352,7 +356,14 @@ def main() -> None:
         offload(trainer, batch, before_build)
 
     def offload_large() -> None:  # the throughput part's Megatron trainer, without the runs
+        start = time.perf_counter()
+
+        def stage(name: str) -> None:  # how far a run cut short by its time limit got
+            emit({"figure": "megatron_offload_stage", "stage": name,
+                  "s": round(time.perf_counter() - start, 1)})  # fmt: skip
+
         path = model_dir("1.5b", None, root)
+        stage("model written")
         ids = torch.randint(0, 151_643, (8, 2048), generator=torch.Generator().manual_seed(0))
         mask = torch.ones(8, 2048)
         mask[:, 0] = 0
@@ -360,7 +371,9 @@ def main() -> None:
         gc.collect()
         before_build = torch.cuda.memory_allocated()
         trainer = build("megatron", path, "bfloat16", micro_batch_size=2)
+        stage("trainer built")
         trainer.train(batch, nll_loss)  # the optimizer state exists after a step
+        stage("trained a step")
         offload(trainer, batch, before_build)
 
     if args.only == "offload":
