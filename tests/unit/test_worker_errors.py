@@ -1,6 +1,6 @@
 """What a worker's failure says through the in-process groups (the Ray group's is tested in
-tests/integration/test_worker_group.py): a bug keeps its exception; running out of device
-memory names the settings to change instead."""
+tests/integration/test_worker_group.py): a bug keeps its exception; running out of device or
+host memory names the settings to change instead."""
 
 from __future__ import annotations
 
@@ -34,6 +34,22 @@ def test_out_of_device_memory_names_what_to_change(group_type, kind: str, settin
     assert message.startswith(f"{kind} worker rank 0 failed in work(): out of device memory (")
     assert "Tried to allocate 512.00 MiB)" in message and "total capacity" not in message
     assert setting in message and "cluster.memory_phases=false" in message
+
+
+class Allocating:
+    def work(self) -> None:
+        torch.empty(2**50, dtype=torch.uint8)  # 1 PiB: more than any host's address space
+
+
+@pytest.mark.parametrize("group_type", [LocalGroup, InlineGroup])
+def test_out_of_host_memory_names_what_to_change(group_type) -> None:
+    group = group_type([Allocating()], "trainer")
+    with pytest.raises(WorkerError) as err:
+        group.run("work")
+    message = str(err.value)
+    assert message.startswith("trainer worker rank 0 failed in work(): out of host memory (")
+    assert "tried to allocate 1,048,576.00 GiB)" in message
+    assert "policy.micro_batch_size" in message and "enforce fail" not in message
 
 
 def test_another_failure_keeps_its_exception() -> None:

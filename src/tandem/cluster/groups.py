@@ -8,6 +8,7 @@ caller's thread (a run in the driver's process). No ray import here.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -29,23 +30,32 @@ OUT_OF_MEMORY_FIX = {
     "generator": "lower algorithm.prompts_per_step or generation.sampling.max_tokens (vLLM: "
     "generation.gpu_memory_utilization)",
 }
-"""What to change when a worker of a kind runs out of device memory."""
+"""What to change when a worker of a kind runs out of device or host memory."""
+
+
+HOST_ALLOCATION = re.compile(
+    r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes"
+)
+"""How torch says that an allocation in host memory failed (a plain RuntimeError)."""
 
 
 def failure_message(kind: str, cause: BaseException, remote: str | None = None) -> str:
     """What a ``WorkerError`` says of a method that raised ``cause`` (``remote``: the worker's
-    traceback, kept for a failure nobody can fix from the config). Running out of device memory
-    is a setting's doing: its message says what the worker tried to allocate and which
-    settings to change, without the traceback."""
+    traceback, kept for a failure nobody can fix from the config). Running out of device or
+    host memory is a setting's doing: its message says what the worker tried to allocate and
+    which settings to change, without the traceback."""
     detail = f"{type(cause).__name__}: {cause}"
+    fix = OUT_OF_MEMORY_FIX.get(kind, "give it less work at once")
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(cause, torch.OutOfMemoryError):
         tried = ". ".join(str(cause).split(". ")[:2]).rstrip(".")
-        fix = OUT_OF_MEMORY_FIX.get(kind, "give it less work at once")
         return (
             f"out of device memory ({tried}): {fix}; with cluster.memory_phases=false the "
             "trainers and generators hold the device at once (true lets them take turns)"
         )
+    host = HOST_ALLOCATION.search(str(cause)) if isinstance(cause, RuntimeError) else None
+    if host is not None:
+        return f"out of host memory (tried to allocate {int(host[1]) / 2**30:,.2f} GiB): {fix}"
     return detail if remote is None else f"{detail}\n{remote}"
 
 
