@@ -8,7 +8,8 @@
 #
 #   bash bench/gpu_parts.sh PART [PART ...]
 #   offload      storage offload, Megatron and CUDA IPC refit GPU tests; the Megatron trainer's
-#                offload/onload against the pinned-copy ceiling (megatron_parity --only offload) ~250 s
+#                offload/onload against the pinned-copy ceiling (megatron_parity --only offload),
+#                host-to-device copies by host memory kind and onload shape (pinned_rate) ~330 s
 #   lora-refit   1.5B rank-32 adapter refit against the full refit, in the loop, back to back and
 #                after an onload (bench/lora.py)                                             ~150 s
 #   lora-phases  LoRA generate/train phases against the full model's, then LoRA with
@@ -52,7 +53,8 @@ for part in "$@"; do
         offload)
             run offload 180 "${gpu_tests[@]}" tests/gpu/test_offload_gpu.py \
                 tests/gpu/test_megatron_gpu.py tests/gpu/test_refit_gpu.py
-            run offload 200 python3 bench/megatron_parity.py --only offload ;;
+            run offload 200 python3 bench/megatron_parity.py --only offload
+            run offload 120 python3 bench/pinned_rate.py ;;
         lora-refit)
             run lora-refit 240 python3 bench/lora.py --shape 1.5b --rank 32 --batch 8 --seq 512 \
                 --steps 3 --modes full lora ;;

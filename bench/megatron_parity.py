@@ -260,6 +260,36 @@ ROUNDS = 5
 """Timed offload/onload rounds (medians), a ceiling measured after each."""
 
 
+def same_bytes_seconds(offload: Any) -> tuple[float, float]:
+    """Seconds to copy the offload's own page-locked host memory into one device buffer and
+    back, one copy per host allocation: the ceiling of the same bytes from the same memory
+    (the 4 GiB copy of ``_copy_seconds`` is a shorter transfer from other host memory). Run
+    while the state is on the device: the host copies are then free to be overwritten (the
+    way back writes what the way in read)."""
+    storages = {h.untyped_storage().data_ptr(): h.untyped_storage() for h in offload.host}
+    hosts = [torch.empty(0, dtype=torch.uint8).set_(s) for s in storages.values()]
+    device = torch.empty(sum(h.numel() for h in hosts), dtype=torch.uint8, device="cuda")
+    pairs, at = [], 0
+    for host in hosts:
+        pairs.append((host, device[at : at + host.numel()]))
+        at += host.numel()
+    seconds = []
+    for to_device in (True, False):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for host, target in pairs:
+            if to_device:
+                target.copy_(host, non_blocking=True)
+            else:
+                host.copy_(target, non_blocking=True)
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    del device, pairs
+    torch.cuda.empty_cache()
+    return seconds[0], seconds[1]
+
+
 def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
     """``before_build``: bytes allocated before the trainer was built (other objects')."""
     small = batch.select(slice(0, 1)).columns(slice(0, 256))
@@ -268,6 +298,7 @@ def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
     baseline = torch.cuda.memory_allocated()
     rounds = []
     ceilings = []
+    same: list[tuple[float, float]] = []  # the same bytes, from the same host memory
     for index in range(ROUNDS + 1):  # the first pins its host memory (not counted)
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -281,6 +312,7 @@ def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
             rounds.append((off_s, on_s, left))
             # the ceiling between rounds (a 4 GiB pinned copy at most): the link's rate drifts
             ceilings.append(_copy_seconds(min(trainer._offload.nbytes, 4 * 2**30))[:2])
+            same.append(same_bytes_seconds(trainer._offload))
         # each round as it ends: a run cut short by its time limit still shows the copies
         emit({"figure": "megatron_offload_round", "round": index, "offload_s": round(off_s, 4),
               "onload_s": round(on_s, 4), "bytes_after_offload": left,
@@ -317,6 +349,15 @@ def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
             "rounds_onload_of_ceiling": [
                 round(c[0] / ceiling_bytes * moved / r[1], 3)
                 for r, c in zip(rounds, ceilings, strict=True)
+            ],
+            # per round, against one copy of the same host bytes (its own allocation) each way
+            "same_bytes_h2d_gb_s": round(moved / statistics.median(c[0] for c in same) / 1e9, 2),
+            "same_bytes_d2h_gb_s": round(moved / statistics.median(c[1] for c in same) / 1e9, 2),
+            "rounds_offload_of_same_bytes": [
+                round(c[1] / r[0], 3) for r, c in zip(rounds, same, strict=True)
+            ],
+            "rounds_onload_of_same_bytes": [
+                round(c[0] / r[1], 3) for r, c in zip(rounds, same, strict=True)
             ],
             "same_objects": ids == [id(p) for p in trainer.model.parameters()],
             "logprob_diff_after_onload": float((trainer.logprobs(small) - before).abs().max()),

