@@ -119,18 +119,19 @@ def check_episode_length(max_tokens: int, context: int) -> None:
 
 
 def check_lora_targets(policy: PolicyConfig, model_config: dict[str, Any]) -> None:
-    """Every ``policy.lora.target_modules`` entry names modules of the model: checked on its
-    skeleton (built on the meta device from config.json: no weights read, nothing allocated)."""
+    """Every ``policy.lora.target_modules`` entry names modules of the model and the rank fits
+    the projections it adapts (``trainer.lora.check_targets``): checked on its skeleton (built
+    on the meta device from config.json: no weights read, nothing allocated)."""
     assert policy.lora is not None
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tandem.trainer.lora import check_targets, module_names
+    from tandem.trainer.lora import check_targets
 
     config = AutoConfig.for_model(**model_config)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    check_targets(policy.lora, module_names(skeleton))
+    check_targets(policy.lora, skeleton)
 
 
 def check_megatron_model(policy: PolicyConfig, model_config: dict[str, Any]) -> None:

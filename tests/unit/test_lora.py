@@ -141,7 +141,27 @@ def test_bad_lora_inputs_exit_2_with_one_message(
     assert "qq_proj" in err and "q_proj" in err
     err = _cli_error([*run, "generation.precision=fp8"], capsys)
     assert "refit.lora=merged" in err
+    # a rank above the narrowest adapted projection (the embedded model's k_proj: 64 outputs)
+    # would allocate adapters out of all proportion (rank 100000 took 24 GB of host memory
+    # before the kernel killed the run); a rank of that width itself is fine (checked below)
+    err = _cli_error([*run, "policy.lora.rank=65"], capsys)
+    assert "policy.lora.rank=65" in err and "k_proj" in err and "<= 64" in err
+    assert "target_modules" in _cli_error([*run, "policy.lora.target_modules=[]"], capsys)
     assert not list(tmp_path.iterdir())  # refused before any run folder, Ray or worker
+
+
+def test_rank_is_checked_against_the_narrowest_projection_it_adapts() -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tandem.config.lora import LoraConfig
+    from tandem.trainer.lora import check_targets
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEFAULT_MODEL_DIR))
+    check_targets(LoraConfig(rank=64), skeleton)  # k_proj: 128 -> 64, a rank of its width
+    check_targets(LoraConfig(rank=65, target_modules=["up_proj"]), skeleton)  # 128 -> 384
+    with pytest.raises(ValueError, match=r"rank=129 exceeds the width of up_proj .*<= 128"):
+        check_targets(LoraConfig(rank=129, target_modules=["up_proj"]), skeleton)
 
 
 def test_merged_refits_need_no_adapter_support() -> None:

@@ -25,10 +25,12 @@ class LoraConfig(BaseModel):
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the adapters' input while training (none at inference or for logprobs taken
     without gradients)."""
-    target_modules: list[str] = Field(default_factory=lambda: list(LINEAR_PROJECTIONS))
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LINEAR_PROJECTIONS), min_length=1
+    )
     """Module names (last component, e.g. q_proj) that get adapters. Default: all linear
     projections of Llama / Qwen2 decoder layers. A name that no module of the model has is
-    an error."""
+    an error, and so is an empty list."""
     init: Literal["kaiming", "gaussian"] = "kaiming"
     """Initialisation of A (B starts at zero either way, so step 0 is the base model):
     kaiming-uniform (peft's default) or gaussian with std 1/rank."""

@@ -43,15 +43,29 @@ def module_names(model: nn.Module) -> set[str]:
     return {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
 
 
-def check_targets(config: LoraConfig, names: set[str]) -> None:
-    """Every ``target_modules`` entry names modules of the model (``names``: ``module_names``);
-    peft itself only fails when none does."""
+def check_targets(config: LoraConfig, model: nn.Module) -> None:
+    """Every ``target_modules`` entry names modules of ``model`` (peft itself only fails when
+    none does), and the rank is at most the width of the narrowest projection it adapts (a
+    rank beyond ``min(in_features, out_features)`` adds parameters, not capacity)."""
+    names = module_names(model)
     missing = [target for target in config.target_modules if target not in names]
     if missing:
         linear_like = sorted(n for n in names if n.endswith(("proj", "fc1", "fc2", "dense")))
         raise ValueError(
             f"policy.lora.target_modules: {missing} name no module of the model; its "
             f"projections are {linear_like or sorted(names)}"
+        )
+    widths = {
+        name.rsplit(".", 1)[-1]: min(module.in_features, module.out_features)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in config.target_modules
+    }
+    narrowest = min(widths.items(), key=lambda item: item[1], default=None)
+    if narrowest is not None and config.rank > narrowest[1]:
+        raise ValueError(
+            f"policy.lora.rank={config.rank} exceeds the width of {narrowest[0]} "
+            f"({narrowest[1]} features, the narrowest projection adapted): a rank above it adds "
+            f"parameters, not capacity; set policy.lora.rank <= {narrowest[1]}"
         )
 
 
@@ -61,7 +75,7 @@ def wrap_lora(lm: nn.Module, config: LoraConfig) -> Any:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    check_targets(config, module_names(lm))
+    check_targets(config, lm)
     peft_config = PeftLoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,
