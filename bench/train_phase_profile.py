@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS))
     parser.add_argument("--profile", default=None)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=16384)
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (CPU dry runs)")
     args = parser.parse_args()
     root = Path(tempfile.gettempdir()) / "tandem-e2e"
@@ -62,7 +64,12 @@ def main() -> None:
     mask[:, :32] = 0  # a prompt
     batch = TrainBatch(ids, torch.ones_like(ids), mask)
     for name in args.settings:
-        config = PolicyConfig(model_path=path, micro_batch_size=8, **SETTINGS[name])
+        config = PolicyConfig(
+            model_path=path,
+            micro_batch_size=args.micro_batch_size,
+            max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+            **SETTINGS[name],
+        )
         trainer = PolicyTrainer(config)
         trainer.train(batch, nll_loss)
         times = []
@@ -79,6 +86,7 @@ def main() -> None:
                 "shape": args.shape,
                 "setting": name,
                 "tokens": tokens,
+                "micro_batch": [args.micro_batch_size, args.max_tokens_per_micro_batch],
                 "step_s": round(seconds, 3),
                 "mfu": round(flops / seconds / peak, 3),
                 "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
