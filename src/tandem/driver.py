@@ -138,6 +138,7 @@ def open_run(
     with MetricsLogger(config.logging, run_dir, num_steps, start_step=start) as logger:
         logger.info(f"run directory: {run_dir}")
         logger.info(f"workers: {runtime.where}")
+        runtime.on_phase = logger.phase
         yield Run(run_dir, runtime, logger, checkpoints, start, num_steps, eval_every, resumed)
         if config.checkpoint.export_hf:
             runtime.export_hf(str((run_dir / "hf").resolve()))

@@ -149,6 +149,15 @@ def test_metrics_logger_writes_jsonl_tensorboard_and_plot(tmp_path: Path) -> Non
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_progress_bar_names_the_call_under_way(tmp_path: Path) -> None:
+    with MetricsLogger(LoggingConfig(), tmp_path, total_steps=3, start_step=1) as logger:
+        logger.phase("generate")
+        logger.log(2, {"train/reward_mean": 0.5})
+        logger.phase("train")
+        (task,) = logger._progress.tasks
+        assert (task.description, task.completed, task.total) == ("steps · train", 2, 3)
+
+
 def test_metrics_line_is_one_line_off_a_terminal(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -137,7 +137,9 @@ def test_grpo_steps_evaluation_and_checkpoints_meet_no_offloaded_trainer(
         config.data, config.policy.model_path, load_reward(config.data.reward), seed=0
     )
     log: list[str] = []
+    announced: list[str] = []  # what the progress bar shows (Runtime.on_phase)
     with _runtime(config, log, drop_weights, refit) as runtime:
+        runtime.on_phase = announced.append
         trainer = runtime.trainers.workers[0]  # type: ignore[attr-defined]
         for step in (1, 2, 3):
             metrics = grpo_step(
@@ -146,10 +148,12 @@ def test_grpo_steps_evaluation_and_checkpoints_meet_no_offloaded_trainer(
             # the generator sampled with the trainer's weights: each refit landed
             assert metrics["gen/logprob_mismatch"] < 1e-4, step
         assert log[-len(STEP_PHASES) :] == STEP_PHASES
+        assert announced == ["generate", "reference logprobs", "train", "refit"] * 3
 
         evaluate(runtime, source, 4, config.generation.sampling)
         assert not trainer.policy.resident and not trainer.reference.resident
         runtime.save_checkpoint(str(tmp_path / "ckpt"))  # brings the policy back
+        assert announced[-2:] == ["generate", "checkpoint"]  # the evaluation, the checkpoint
         assert trainer.policy.resident and log[-2:] == [
             "generator sleep",
             "trainer policy=True reference=None",

@@ -94,6 +94,9 @@ class Runtime:
         self._metrics: dict[str, float] = {}
         self.weights_version = 0
         """The label of the generators' weights: the ``version`` of the last refit."""
+        self.on_phase: Callable[[str], None] | None = None
+        """Told the name of each call as it starts (generate, logprobs, train, refit, ...): the
+        driver shows it beside the progress bar, so a long step shows what it is doing."""
 
     def __enter__(self) -> Runtime:
         return self
@@ -119,6 +122,10 @@ class Runtime:
             finally:
                 if self._on_close is not None:
                     self._on_close()
+
+    def _announce(self, call: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(call)
 
     # -- memory phases ------------------------------------------------------------------------
     def _enter(
@@ -212,6 +219,7 @@ class Runtime:
             raise ValueError("this runtime was started without generators (with_generators)")
         if not self._phase.weights_current:
             self.refit()  # a deep sleep dropped the weights: never generate from garbage
+        self._announce("generate")
         self._enter(policy=False, reference=False, generators="awake")
         chunks = _split(list(range(len(prompt_token_ids))), self.generators.num_workers)
         futures = self.generators.run_per_rank_async(
@@ -245,6 +253,7 @@ class Runtime:
         return [batch.select(slice(int(b[0]), int(b[-1]) + 1)) for b in bounds]
 
     def policy_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        self._announce("logprobs")
         self._enter(policy=True, reference=False, generators="asleep")
         outs = self.trainers.run_per_rank("logprobs", [(s,) for s in self._shards(batch)])
         return torch.cat(outs)
@@ -252,11 +261,13 @@ class Runtime:
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         if not self.with_reference:
             raise ValueError("this runtime was started without a reference policy")
+        self._announce("reference logprobs")
         self._enter(reference=True, generators="asleep")
         outs = self.trainers.run_per_rank("reference_logprobs", [(s,) for s in self._shards(batch)])
         return torch.cat(outs)
 
     def train(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        self._announce("train")
         self._enter(policy=True, reference=False, generators="asleep")
         results = self.trainers.run_per_rank("train", [(s, loss_fn) for s in self._shards(batch)])
         return dict(results[0])
@@ -276,6 +287,7 @@ class Runtime:
         self._refit.settle(self.generators)
         if not wait_generators and self.memory_phases:
             raise ValueError("wait_generators=False needs split placement (no memory phases)")
+        self._announce("refit")
         self._enter(policy=True, reference=False, generators="weights")
         if self.memory_phases:  # the refit's own peak, apart from training's
             self.trainers.run("memory_stats", reset_peak=True)
@@ -294,15 +306,18 @@ class Runtime:
 
     # -- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> None:
+        self._announce("checkpoint")
         self._enter(policy=True, generators="asleep")
         self.trainers.run("save_checkpoint", path)
 
     def load_checkpoint(self, path: str) -> None:
+        self._announce("load checkpoint")
         self._enter(policy=True, generators="asleep")
         self.trainers.run("load_checkpoint", path)
         self._phase.weights_current = self.generators is None
 
     def export_hf(self, path: str) -> None:
+        self._announce("export")
         self._enter(policy=True, generators="asleep")
         self.trainers.run("export_hf", path)
 

@@ -74,6 +74,10 @@ class MetricsLogger:
         self._progress.console.print(format_console_line(record), soft_wrap=True)
         self._progress.update(self._task, completed=step)
 
+    def phase(self, name: str) -> None:
+        """Show what the step is doing now beside the progress bar (``Runtime.on_phase``)."""
+        self._progress.update(self._task, description=f"steps · {name}")
+
     def info(self, message: str) -> None:
         self._progress.console.print(message)
 
