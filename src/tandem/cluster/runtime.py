@@ -87,16 +87,13 @@ class Runtime:
         self.memory_phases, self.discards_weights = memory_phases, discards_weights
         self.with_reference = with_reference
         self.where = where
-        self.placement: Any = None
-        """The Ray placement group of the actors (None in this process)."""
+        self.placement: Any = None  # the Ray placement group of the actors (None here)
         self._on_close = on_close
         self._phase = _Phase(weights_current=weights_current)
         self._metrics: dict[str, float] = {}
-        self.weights_version = 0
-        """The label of the generators' weights: the ``version`` of the last refit."""
-        self.on_phase: Callable[[str], None] | None = None
-        """Told the name of each call as it starts (generate, logprobs, train, refit, ...): the
-        driver shows it beside the progress bar, so a long step shows what it is doing."""
+        self.weights_version = 0  # the generators' weights: the ``version`` of the last refit
+        self.on_phase: Callable[[str], None] = lambda call: None
+        """Told each call's name as it starts (generate, train, refit, ...): the progress bar's."""
 
     def __enter__(self) -> Runtime:
         return self
@@ -123,19 +120,18 @@ class Runtime:
                 if self._on_close is not None:
                     self._on_close()
 
-    def _announce(self, call: str) -> None:
-        if self.on_phase is not None:
-            self.on_phase(call)
-
     # -- memory phases ------------------------------------------------------------------------
     def _enter(
         self,
+        call: str,
         policy: bool | None = None,
         reference: bool | None = None,
         generators: GeneratorPhase | None = None,
     ) -> None:
         """Make the phase true: ``True`` on the device, ``False`` on the host, ``None`` as is.
-        Releases run before acquisitions, so the two sides never hold their memory at once."""
+        Releases run before acquisitions, so the two sides never hold their memory at once.
+        ``call``: the name of the call that needs it, told to ``on_phase``."""
+        self.on_phase(call)
         if not self.memory_phases:
             return
         now = self._phase
@@ -185,8 +181,7 @@ class Runtime:
         self.generators.run("sleep")
         self._add_metric("timing/generator_sleep_s", time.perf_counter() - start)
         self._phase.generators = "asleep"
-        if self.discards_weights:
-            self._phase.weights_current = False
+        self._phase.weights_current &= not self.discards_weights  # a deep sleep drops them
 
     def _wake_generators(self, target: GeneratorPhase) -> None:
         assert self.generators is not None
@@ -219,8 +214,7 @@ class Runtime:
             raise ValueError("this runtime was started without generators (with_generators)")
         if not self._phase.weights_current:
             self.refit()  # a deep sleep dropped the weights: never generate from garbage
-        self._announce("generate")
-        self._enter(policy=False, reference=False, generators="awake")
+        self._enter("generate", policy=False, reference=False, generators="awake")
         chunks = _split(list(range(len(prompt_token_ids))), self.generators.num_workers)
         futures = self.generators.run_per_rank_async(
             "generate_timed",
@@ -253,22 +247,19 @@ class Runtime:
         return [batch.select(slice(int(b[0]), int(b[-1]) + 1)) for b in bounds]
 
     def policy_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        self._announce("logprobs")
-        self._enter(policy=True, reference=False, generators="asleep")
+        self._enter("logprobs", policy=True, reference=False, generators="asleep")
         outs = self.trainers.run_per_rank("logprobs", [(s,) for s in self._shards(batch)])
         return torch.cat(outs)
 
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         if not self.with_reference:
             raise ValueError("this runtime was started without a reference policy")
-        self._announce("reference logprobs")
-        self._enter(reference=True, generators="asleep")
+        self._enter("reference logprobs", reference=True, generators="asleep")
         outs = self.trainers.run_per_rank("reference_logprobs", [(s,) for s in self._shards(batch)])
         return torch.cat(outs)
 
     def train(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        self._announce("train")
-        self._enter(policy=True, reference=False, generators="asleep")
+        self._enter("train", policy=True, reference=False, generators="asleep")
         results = self.trainers.run_per_rank("train", [(s, loss_fn) for s in self._shards(batch)])
         return dict(results[0])
 
@@ -279,20 +270,17 @@ class Runtime:
         policy sent again). With ``in_flight_refit`` it lands in a running generation.
 
         ``wait_generators=False`` (split placement, generators that run their calls in order)
-        may return once the trainers have sent: the generators load the weights (most of a
-        small model's refit) while the caller goes on, e.g. trains; their next call runs after
-        the load, and ``collect`` or the next refit raises its failure."""
+        returns once the trainers have sent: the generators load (most of a small model's
+        refit) while the caller trains; ``collect`` or the next refit raises their failure."""
         if self.generators is None:
             return {}
         self._refit.settle(self.generators)
         if not wait_generators and self.memory_phases:
             raise ValueError("wait_generators=False needs split placement (no memory phases)")
-        self._announce("refit")
-        self._enter(policy=True, reference=False, generators="weights")
+        self._enter("refit", policy=True, reference=False, generators="weights")
         if self.memory_phases:  # the refit's own peak, apart from training's
             self.trainers.run("memory_stats", reset_peak=True)
-        if version is not None:
-            self.weights_version = version
+        self.weights_version = self.weights_version if version is None else version
         stats = self._refit.send(
             self.trainers, self.generators, self.weights_version, wait_generators
         )
@@ -306,19 +294,16 @@ class Runtime:
 
     # -- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> None:
-        self._announce("checkpoint")
-        self._enter(policy=True, generators="asleep")
+        self._enter("checkpoint", policy=True, generators="asleep")
         self.trainers.run("save_checkpoint", path)
 
     def load_checkpoint(self, path: str) -> None:
-        self._announce("load checkpoint")
-        self._enter(policy=True, generators="asleep")
+        self._enter("load checkpoint", policy=True, generators="asleep")
         self.trainers.run("load_checkpoint", path)
         self._phase.weights_current = self.generators is None
 
     def export_hf(self, path: str) -> None:
-        self._announce("export")
-        self._enter(policy=True, generators="asleep")
+        self._enter("export", policy=True, generators="asleep")
         self.trainers.run("export_hf", path)
 
 
