@@ -17,12 +17,25 @@
 #   lora-trl     tandem's LoRA GRPO step against TRL's, bf16 compute, trainer and generator kept
 #                resident (bench/lora_gpu.sh trl-resident)                                 ~560 s
 #   tests        every GPU test                                                              ~300 s
+#   decode       the transformers generator's GPU tests, then its decode at 0.5B x 2048 tokens
+#                (vocabulary 151,936) now and with the attention it had before its windows
+#                (bench/real_scale_gpu.sh 0.5b --sides decode)                               ~350 s
+#   train-mfu    the train phase at 1.5B, 32 x 2048 tokens, micro-batches of 8 / 16,384 tokens,
+#                with and without activation checkpointing (bench/train_phase_profile.py)    ~150 s
+#   cell-0.5b    the real-scale cell 0.5B x 2048: tandem, then TRL with the time left        ~560 s
+#   cell-1.5b    tandem's side of the 1.5B cell (cell-1.5b-trl: TRL's, in its own call)      ~560 s
+#   cell-7b      tandem's side at 7B: bf16 parameters and AdamW state, to fit 80 GB          ~560 s
+#   cell-tiny    the cells' path at a tiny shape (a check on a CPU: TRL_PYTHON, a Python with TRL)
 set -u
 cd "$(dirname "$0")/.."
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -gt 0 ] || usage
 for part in "$@"; do
-    case $part in offload | lora-refit | lora-phases | lora-trl | tests) ;; *) usage ;; esac
+    case $part in
+        offload | lora-refit | lora-phases | lora-trl | tests | decode | train-mfu) ;;
+        cell-0.5b | cell-1.5b | cell-1.5b-trl | cell-7b | cell-tiny) ;;
+        *) usage ;;
+    esac
 done
 OUT=${OUT:-/tmp/gpu-parts}
 mkdir -p "$OUT"
@@ -66,5 +79,24 @@ for part in "$@"; do
             run lora-trl 560 bash bench/lora_gpu.sh trl-resident ;;
         tests)
             run tests 560 "${gpu_tests[@]}" tests/gpu ;;
+        decode)
+            run decode 90 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
+            run decode 270 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 0.5b \
+                --sides decode --budget-s 250 ;;
+        train-mfu)
+            run train-mfu 170 python3 bench/train_phase_profile.py --shape 1.5b --sequences 32 \
+                --length 2048 --steps 2 --settings fsdp_mp fsdp_mp_ac --micro-batch-size 8 \
+                --max-tokens-per-micro-batch 16384 ;;
+        cell-*)
+            cell=${part#cell-}
+            case $cell in
+                1.5b) sides=(--sides tandem) ;;
+                1.5b-trl) cell=1.5b sides=(--sides trl) ;;
+                7b) sides=(--sides tandem --set policy.mixed_precision=false
+                           --set policy.dtype=bfloat16) ;;
+                *) sides=() ;;
+            esac
+            run "$part" 560 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh "$cell" \
+                --budget-s 540 "${sides[@]}" ;;
     esac
 done
