@@ -272,3 +272,31 @@ def test_the_driver_reaches_ray_without_importing_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "warned"),
+    [
+        (["policy.dtype=bfloat16"], True),
+        (["policy.dtype=bfloat16", "policy.mixed_precision=true"], True),  # bf16 masters too
+        (["policy.dtype=float32", "policy.mixed_precision=true"], False),
+        (["policy.dtype=bfloat16", "policy.lora.rank=4"], False),  # peft's adapters are fp32
+        ([], False),
+    ],
+)
+def test_weights_trained_in_bf16_are_warned_about_before_the_run(
+    overrides: list[str], warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tandem.config import GrpoConfig, load_config
+    from tandem.preflight import check_run_inputs
+
+    config = load_config(GrpoConfig, "grpo_arithmetic", [*overrides, "policy.optimizer.lr=3e-6"])
+    with caplog.at_level("WARNING", logger="tandem.preflight"):
+        check_run_inputs(config.policy, config.generation, config.data)
+    messages = [r.getMessage() for r in caplog.records if r.name == "tandem.preflight"]
+    if warned:
+        (message,) = messages
+        assert "1/256" in message and "lr is 3e-06" in message
+        assert "policy.dtype=float32 policy.mixed_precision=true" in message
+    else:
+        assert messages == []
