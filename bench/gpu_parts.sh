@@ -25,15 +25,17 @@
 #   cell-0.5b    the real-scale cell 0.5B x 2048: tandem, then TRL with the time left        ~560 s
 #   cell-1.5b    tandem's side of the 1.5B cell (cell-1.5b-trl: TRL's, in its own call)      ~560 s
 #   cell-7b      tandem's side at 7B: bf16 parameters and AdamW state, to fit 80 GB          ~560 s
+#                (memory and speed; bf16 weights lose most AdamW updates: docs/errors.md)
+#   cell-7b-fp32 tandem's side at 7B with fp32 master weights (122 GB of state: an H200)    ~560 s
 #   cell-tiny    the cells' path at a tiny shape (a check on a CPU: TRL_PYTHON, a Python with TRL)
 set -u
 cd "$(dirname "$0")/.."
-usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -gt 0 ] || usage
 for part in "$@"; do
     case $part in
         offload | lora-refit | lora-phases | lora-trl | tests | decode | train-mfu) ;;
-        cell-0.5b | cell-1.5b | cell-1.5b-trl | cell-7b | cell-tiny) ;;
+        cell-0.5b | cell-1.5b | cell-1.5b-trl | cell-7b | cell-7b-fp32 | cell-tiny) ;;
         *) usage ;;
     esac
 done
@@ -94,6 +96,7 @@ for part in "$@"; do
                 1.5b-trl) cell=1.5b sides=(--sides trl) ;;
                 7b) sides=(--sides tandem --set policy.mixed_precision=false
                            --set policy.dtype=bfloat16) ;;
+                7b-fp32) cell=7b sides=(--sides tandem) ;;
                 *) sides=() ;;
             esac
             run "$part" 560 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh "$cell" \
