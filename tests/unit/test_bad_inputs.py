@@ -58,6 +58,10 @@ CASES: dict[str, tuple[Setup, str]] = {
     "top_k=0": (lambda t: ["grpo", "generation.sampling.top_k=0"], "top_k=0"),
     "clip_low>=1": (lambda t: ["grpo", "algorithm.clip_low=1.0"], "algorithm.clip_low"),
     "negative lr": (lambda t: ["grpo", "policy.optimizer.lr=-1"], "policy.optimizer.lr"),
+    "a group of one": (  # was found at the first step, after the model loaded and evaluated
+        lambda t: ["grpo", "algorithm.num_generations=1"],
+        "algorithm.num_generations: Input should be greater than or equal to 2 (got 1)",
+    ),
     "top_p=0": (lambda t: ["grpo", "generation.sampling.top_p=0"], "sampling.top_p"),
     "no generations": (lambda t: ["grpo", "algorithm.num_generations=0"], "num_generations"),
     "negative temperature": (lambda t: ["grpo", "generation.sampling.temperature=-1"], "temp"),

@@ -236,8 +236,8 @@ class AlgorithmConfig(Section):
     """Optimizer steps (one GRPO step = generate, score, train, refit)."""
     prompts_per_step: int = Field(16, ge=1)
     """Prompts sampled per step."""
-    num_generations: int = Field(8, ge=1)
-    """Responses per prompt (the group of GRPO)."""
+    num_generations: int = Field(8, ge=2)
+    """Responses per prompt (the group of GRPO); at least 2: a group of one has no baseline."""
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
     """Advantage estimator: group mean/std (grpo), mean-only (dr_grpo), leave-one-out (rloo),
     REINFORCE++ (reinforce_pp: the KL to the reference is a token-level reward, returns
