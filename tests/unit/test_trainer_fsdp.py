@@ -241,6 +241,30 @@ def test_one_rank_keeps_its_parameters_gathered_through_a_step(
     assert gathered["ops"] < resharded["ops"]
 
 
+def _lone_rank_twice(rank: int, world_size: int, model_dir: str, out: str) -> None:
+    """A lone FSDP2 rank with no MASTER_PORT in its environment, built again after its
+    process group was destroyed (a notebook, a benchmark running several settings)."""
+    import os
+
+    os.environ.pop("MASTER_PORT")
+    config = policy(Path(model_dir), mixed_precision=True)
+    losses = []
+    for _ in range(2):
+        trainer = PolicyTrainer(config)
+        losses.append(trainer.train(make_batch(size=3), token_nll)["loss"])
+        torch.distributed.destroy_process_group()
+    torch.save({"losses": losses, "port_set": "MASTER_PORT" in os.environ}, Path(out) / "l.pt")
+
+
+def test_a_lone_rank_serves_a_new_store_each_time_it_starts(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    spawn(_lone_rank_twice, 1, str(model_dir), str(tmp_path))
+    result = torch.load(tmp_path / "l.pt")
+    assert result["losses"][0] == result["losses"][1]  # the same model, the same batch
+    assert not result["port_set"]  # a free port of its own, not left for the next group
+
+
 def test_only_a_model_small_beside_the_gpu_stays_gathered(monkeypatch: pytest.MonkeyPatch) -> None:
     """One rank keeps a compute-dtype copy gathered through the step only while it takes at
     most ``GATHERED_SHARE`` of the GPU (any size on a CPU; never with several ranks or CPU

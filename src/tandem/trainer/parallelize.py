@@ -62,8 +62,10 @@ def stays_gathered(
 
 def init_distributed(rank: int, world_size: int, device: torch.device) -> None:
     """Join the trainers' default process group from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
-    (the worker group sets them); a lone rank picks a free local port itself. NCCL on CUDA,
-    gloo on CPU. A no-op when a group already exists."""
+    (the worker group sets them); a lone rank without them serves its store on a free local
+    port of its own, each time (a trainer built again after ``destroy_process_group`` would
+    otherwise find the old port taken). NCCL on CUDA, gloo on CPU. A no-op when a group
+    already exists."""
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
             raise ValueError(
@@ -71,18 +73,16 @@ def init_distributed(rank: int, world_size: int, device: torch.device) -> None:
                 f"was given world_size={world_size}; pass the group's size"
             )
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        if world_size > 1:
-            raise ValueError(
-                "MASTER_PORT is not set: start trainers through WorkerGroup, or set "
-                "MASTER_ADDR/MASTER_PORT (and RANK/WORLD_SIZE) in every trainer process"
-            )
-        os.environ["MASTER_PORT"] = str(rendezvous.free_port("127.0.0.1"))
+    if "MASTER_PORT" not in os.environ and world_size > 1:
+        raise ValueError(
+            "MASTER_PORT is not set: start trainers through WorkerGroup, or set "
+            "MASTER_ADDR/MASTER_PORT (and RANK/WORLD_SIZE) in every trainer process"
+        )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # rank 0's store listens on MASTER_ADDR only (torch's own would take every interface)
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", 0))  # serve(port=0): a free one
     open_store = rendezvous.serve if rank == 0 else rendezvous.connect
     store = open_store(host, port, world_size, STORE_TIMEOUT_S)
     dist.init_process_group(
