@@ -21,7 +21,8 @@
 #                (vocabulary 151,936) now and with the attention it had before its windows
 #                (bench/real_scale_gpu.sh 0.5b --sides decode)                               ~350 s
 #   train-mfu    the train phase at 1.5B, 32 x 2048 tokens, micro-batches of 8 / 16,384 tokens,
-#                with and without activation checkpointing (bench/train_phase_profile.py)    ~150 s
+#                with and without activation checkpointing, compiled layers and not
+#                (bench/train_phase_profile.py)                                              ~330 s
 #   cell-0.5b    the real-scale cell 0.5B x 2048: tandem, then TRL with the time left        ~560 s
 #   cell-1.5b    tandem's side of the 1.5B cell (cell-1.5b-trl: TRL's, in its own call)      ~560 s
 #   cell-7b      tandem's side at 7B: bf16 parameters and AdamW state, to fit 80 GB          ~560 s
@@ -86,9 +87,9 @@ for part in "$@"; do
             run decode 270 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 0.5b \
                 --sides decode --budget-s 250 ;;
         train-mfu)
-            run train-mfu 170 python3 bench/train_phase_profile.py --shape 1.5b --sequences 32 \
-                --length 2048 --steps 2 --settings fsdp_mp fsdp_mp_ac --micro-batch-size 8 \
-                --max-tokens-per-micro-batch 16384 ;;
+            run train-mfu 330 python3 bench/train_phase_profile.py --shape 1.5b --sequences 32 \
+                --length 2048 --steps 2 --settings fsdp_mp_ac_compile fsdp_mp_ac fsdp_mp_compile \
+                fsdp_mp --micro-batch-size 8 --max-tokens-per-micro-batch 16384 ;;
         cell-*)
             cell=${part#cell-}
             case $cell in

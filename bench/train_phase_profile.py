@@ -1,8 +1,9 @@
 """Where the train phase's time goes at real vocabulary: PolicyTrainer.train on a random model
 of a real Qwen2.5 shape (vocabulary 151,936), ``--sequences`` x ``--length`` tokens, under a
 few policy settings (fp32 masters + bf16 compute via FSDP2 with activation checkpointing, as the
-end-to-end cells run; without checkpointing; bf16 parameters on the plain module). One JSON line
-per setting (median step seconds, MFU against the bf16 matmul rate of the same run) and, with
+end-to-end cells run; without checkpointing; bf16 parameters on the plain module; ``_compile``:
+an FSDP2 setting with its decoder layers compiled, the untimed first step compiling). One JSON
+line per setting (median step seconds, MFU against the bf16 matmul rate of the same run) and, with
 ``--profile DIR``, the profiler's table of one step per setting.
 
     PYTHONPATH=src:bench python bench/train_phase_profile.py [--shape 0.5b] [--profile DIR]
@@ -31,6 +32,8 @@ SETTINGS = {
     "fsdp_mp_ac": dict(mixed_precision=True, activation_checkpointing=True),
     "fsdp_mp": dict(mixed_precision=True, activation_checkpointing=False),
     "bf16_plain_ac": dict(dtype="bfloat16", activation_checkpointing=True),
+    "fsdp_mp_ac_compile": dict(mixed_precision=True, activation_checkpointing=True, compile=True),
+    "fsdp_mp_compile": dict(mixed_precision=True, activation_checkpointing=False, compile=True),
 }
 
 

@@ -4,8 +4,8 @@ a real layer count (28, as 1.5B) and a tiny width (hidden 64, 4 heads, 2 KV head
 128), so what is timed is the host's work (Python, dispatch, kernel launches on a GPU).
 
 Per setting (the GPU runs' settings: fp32; ``mixed_precision``, FSDP2 on one rank; activation
-checkpointing; LoRA rank 32 on every projection with bf16 weights; their combinations) one JSON
-line:
+checkpointing; LoRA rank 32 on every projection with bf16 weights; their combinations; ``_compile``:
+the decoder layers compiled, ``policy.compile``) one JSON line:
 
 - ``train_ms_per_mb``, ``train_ops_per_mb``, ``train_calls_per_mb``: the marginal cost of a
   micro-batch in ``train`` (a GRPO batch of 64 rows, 8 prompts x 8 responses of 16-46 tokens
@@ -48,7 +48,7 @@ from tandem.config.lora import LoraConfig
 from tandem.config.models import PolicyConfig
 from tandem.data.batch import TrainBatch
 from tandem.trainer import PolicyTrainer, lora
-from tandem.trainer.parallelize import apply_activation_checkpointing, apply_fsdp
+from tandem.trainer.parallelize import apply_activation_checkpointing, apply_fsdp, compile_layers
 
 LORA = LoraConfig(rank=32, alpha=64)
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -59,6 +59,10 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "lora_bf16": dict(dtype="bfloat16", lora=LORA),
     "lora_bf16_ac": dict(dtype="bfloat16", activation_checkpointing=True, lora=LORA),
     "lora_mp_ac": dict(mixed_precision=True, activation_checkpointing=True, lora=LORA),
+    "mp_ac_compile": dict(mixed_precision=True, activation_checkpointing=True, compile=True),
+    "lora_bf16_ac_compile": dict(
+        dtype="bfloat16", activation_checkpointing=True, lora=LORA, compile=True
+    ),
 }
 
 
@@ -104,6 +108,8 @@ def peer_model(config: PolicyConfig, device: torch.device, plain: bool) -> Any:
         return lm.to(device)
     if config.lora is not None:
         lora.wrap_lora(lm, config.lora)
+    if config.compile:
+        compile_layers(lm)
     if config.activation_checkpointing:
         apply_activation_checkpointing(lm)
     if config.mixed_precision or config.cpu_offload:

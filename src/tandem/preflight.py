@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +170,7 @@ def check_run_inputs(
 
     model_config = check_model_folder(policy.model_path)
     warn_bf16_weights(policy)
+    check_compiler(policy)
     if policy.lora is not None:
         check_lora_targets(policy, model_config)
     if policy.backend == "megatron":
@@ -186,6 +189,23 @@ def check_run_inputs(
         if images:
             check_image_generator(generation)
     return check_response_length(model_config, generation)
+
+
+def check_compiler(policy: PolicyConfig) -> None:
+    """``policy.compile`` on a machine without NVIDIA GPUs: Inductor builds the layers' kernels
+    as C++ with ``$CXX`` (default g++), which must exist, or the first micro-batch fails deep in
+    torch after the model has loaded."""
+    from tandem.machine import nvidia_devices
+
+    if not policy.compile or nvidia_devices():
+        return
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        raise ValueError(
+            f"policy.compile=true compiles the decoder layers into C++ on this CPU machine, and "
+            f"its C++ compiler ({compiler}, from $CXX or the default g++) is not installed: "
+            "install one (apt install g++) or set policy.compile=false"
+        )
 
 
 def warn_bf16_weights(policy: PolicyConfig) -> None:

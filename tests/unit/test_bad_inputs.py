@@ -62,6 +62,10 @@ CASES: dict[str, tuple[Setup, str]] = {
         lambda t: ["grpo", "algorithm.num_generations=1"],
         "algorithm.num_generations: Input should be greater than or equal to 2 (got 1)",
     ),
+    "compile on megatron": (
+        lambda t: ["grpo", "policy.backend=megatron", "policy.compile=true"],
+        "policy.backend=megatron does not take policy.compile=true",
+    ),
     "top_p=0": (lambda t: ["grpo", "generation.sampling.top_p=0"], "sampling.top_p"),
     "no generations": (lambda t: ["grpo", "algorithm.num_generations=0"], "num_generations"),
     "negative temperature": (lambda t: ["grpo", "generation.sampling.temperature=-1"], "temp"),
@@ -304,3 +308,21 @@ def test_weights_trained_in_bf16_are_warned_about_before_the_run(
         assert "policy.dtype=float32 policy.mixed_precision=true" in message
     else:
         assert messages == []
+
+
+def test_compile_without_a_cpp_compiler_exits_2_before_the_model_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a machine without NVIDIA GPUs Inductor needs a C++ compiler ($CXX, else g++)."""
+    from tandem import machine
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAY_ADDRESS", "")
+    monkeypatch.setenv("CXX", "no-such-c++")
+    monkeypatch.setattr(machine, "nvidia_devices", lambda: [])
+    assert main(["grpo", "policy.compile=true"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count(": error: ") == 1, err
+    assert "(no-such-c++, from $CXX or the default g++) is not installed" in err
+    assert "policy.compile=false" in err
+    assert not (tmp_path / "runs").exists()

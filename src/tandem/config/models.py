@@ -94,6 +94,10 @@ class PolicyConfig(Section):
     """Recompute each decoder layer's activations in backward (saves memory)."""
     cpu_offload: bool = False
     """FSDP2 CPUOffloadPolicy: keep sharded parameters and optimizer state on the host."""
+    compile: bool = False
+    """``torch.compile`` each decoder layer (Inductor; one graph for every layer and sequence
+    length, built at the first micro-batch). Fewer, fused kernels: less host time a
+    micro-batch and fewer passes over activations. On a CPU it needs a C++ compiler."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; gradients accumulate over the micro-batches of a step."""
     max_tokens_per_micro_batch: int | None = Field(16384, ge=1)

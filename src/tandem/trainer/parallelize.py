@@ -114,6 +114,18 @@ def vision_tower(model: nn.Module) -> nn.Module | None:
     return getattr(getattr(model, "model", None), "visual", None)
 
 
+def compile_layers(model: nn.Module) -> None:
+    """``torch.compile`` every decoder layer in place (``nn.Module.compile``: the module tree,
+    parameter names and state dicts stay as they are), before checkpointing wraps the layers
+    and FSDP2 shards them, so the wrapper's recomputation and FSDP2's hooks stay outside the
+    compiled code. The layers share one compiled graph per kind of call (a forward without
+    autograd, a forward and its backward), their parameters passed as inputs; ``dynamic=True``
+    compiles for any batch and sequence length at once, where the default would compile the
+    first shape statically and every later micro-batch's length again."""
+    for layer in decoder_layers(model):
+        layer.compile(dynamic=True)
+
+
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Wrap every decoder layer, and a vision tower's blocks (an image of 1024 patches through
     32 blocks keeps more activations than its rows' text), so backward recomputes their

@@ -39,6 +39,7 @@ from tandem.trainer.offload import HostPool, move_state, offload_bytes
 from tandem.trainer.parallelize import (
     apply_activation_checkpointing,
     apply_fsdp,
+    compile_layers,
     init_distributed,
     reshard,
     stays_gathered,
@@ -171,6 +172,8 @@ class PolicyTrainer:
         )
         if not trainable:
             self.lm.requires_grad_(False)
+        if config.compile:
+            compile_layers(self.lm)
         if config.activation_checkpointing:
             apply_activation_checkpointing(self.lm)
         self.model = LogprobModel(self.lm, config.logprob_chunk_size)
