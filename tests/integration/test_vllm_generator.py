@@ -120,9 +120,10 @@ def test_a_step_past_the_token_budget_with_seeds(vllm_generator) -> None:
 
 
 def test_sampling_with_logprobs_compiles_nothing_on_cpu(vllm_generator, hf_generator) -> None:
-    """An eager engine on CPU compiles nothing: vLLM's token ranks of requested logprobs (every
-    rollout asks for them) went through torch.compile on first use, 1.9 s of each run's first
-    generation (11 s with a cold inductor cache). The logprobs stay the model's (above)."""
+    """An eager engine on CPU compiles nothing, and leaves Dynamo on for the rest of the
+    process: vLLM's token ranks of requested logprobs (every rollout asks for them) went
+    through torch.compile on first use, 1.9 s of each run's first generation (11 s with a cold
+    inductor cache). The logprobs stay the model's (above)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # forget compiled code: a compile would happen again now
@@ -132,6 +133,8 @@ def test_sampling_with_logprobs_compiles_nothing_on_cpu(vllm_generator, hf_gener
     )
     assert len(rollouts) == 2 * len(PROMPTS) and all(r.response_logprobs for r in rollouts)
     assert dict(counters["frames"]) == before, "torch.compile ran inside the engine"
+    # off only while the engine works: a trainer beside it still compiles (policy.compile)
+    assert not torch._dynamo.config.disable
 
 
 def test_texts_are_decoded_once_a_generation(vllm_generator, hf_generator) -> None:

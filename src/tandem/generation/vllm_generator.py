@@ -3,6 +3,7 @@ and only when a ``VllmGenerator`` is built, so the trainer environment never nee
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterable
@@ -183,12 +184,16 @@ class VllmGenerator(Generator):
         with without_gc():  # 1.3 s of the import, 1.3 s of the engine's start (its gc.collects)
             import torch._dynamo
             from vllm import LLM
+        self._eager: Any = contextlib.nullcontext
+        """Around the engine's own work: on a CPU with enforce_eager, Dynamo off. An eager
+        engine still torch.compiles helpers on first use: the token ranks that come with
+        requested logprobs, on every rollout. Their first call took 1.9 s (11 s with a cold
+        inductor cache, as on a fresh machine); eager they take microseconds. Off only while
+        the engine works, not for the process: a trainer beside it (the in-process runtime)
+        keeps its compiled layers (``policy.compile``). On GPU, compiling is vLLM's business
+        (enforce_eager=false compiles the model)."""
         if _on_cpu() and config.enforce_eager:
-            # An eager engine still torch.compiles helpers on first use: the token ranks that
-            # come with requested logprobs, on every rollout. Their first call took 1.9 s (11 s
-            # with a cold inductor cache, as on a fresh machine); eager they take microseconds.
-            # On GPU, compiling is vLLM's business (enforce_eager=false compiles the model).
-            torch._dynamo.config.disable = True
+            self._eager = lambda: torch._dynamo.config.patch(disable=True)
 
         super().__init__()
         self.config = config
@@ -197,7 +202,8 @@ class VllmGenerator(Generator):
             model_path, config, dtype, seed, on_cpu=_on_cpu(), max_model_len=max_model_len
         )
         self._vision = VllmImages.of(model_path)  # before the engine: its error is clearer
-        self.llm = LLM(**kwargs)
+        with self._eager():
+            self.llm = LLM(**kwargs)
         self._engine_here = config.tensor_parallel_size == 1
         self._sleeping: set[str] = set()
         self._labelled = -1
@@ -245,7 +251,7 @@ class VllmGenerator(Generator):
         engine = self.llm.llm_engine
         finished = []
         while engine.has_unfinished_requests():
-            with self.gate.step() as version:
+            with self.gate.step() as version, self._eager():
                 if version != self._labelled:
                     engine.set_weight_version(str(version))
                     self._labelled = version
