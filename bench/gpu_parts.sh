@@ -29,13 +29,16 @@
 #                (memory and speed; bf16 weights lose most AdamW updates: docs/errors.md)
 #   cell-7b-fp32 tandem's side at 7B with fp32 master weights (122 GB of state: an H200)    ~560 s
 #   cell-tiny    the cells' path at a tiny shape (a check on a CPU: TRL_PYTHON, a Python with TRL)
+#   brief        where device time is short, one figure of each open question: the onload shapes
+#                of pinned_rate, the transformers generator's GPU tests, the 1.5B train phase
+#                with checkpointing, compiled and not                                        ~380 s
 set -u
 cd "$(dirname "$0")/.."
-usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -gt 0 ] || usage
 for part in "$@"; do
     case $part in
-        offload | lora-refit | lora-phases | lora-trl | tests | decode | train-mfu) ;;
+        offload | lora-refit | lora-phases | lora-trl | tests | decode | train-mfu | brief) ;;
         cell-0.5b | cell-1.5b | cell-1.5b-trl | cell-7b | cell-7b-fp32 | cell-tiny) ;;
         *) usage ;;
     esac
@@ -90,6 +93,12 @@ for part in "$@"; do
             run train-mfu 330 python3 bench/train_phase_profile.py --shape 1.5b --sequences 32 \
                 --length 2048 --steps 2 --settings fsdp_mp_ac_compile fsdp_mp_ac fsdp_mp_compile \
                 fsdp_mp --micro-batch-size 8 --max-tokens-per-micro-batch 16384 ;;
+        brief)
+            run brief 90 python3 bench/pinned_rate.py
+            run brief 90 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
+            run brief 200 python3 bench/train_phase_profile.py --shape 1.5b --sequences 32 \
+                --length 2048 --steps 2 --settings fsdp_mp_ac_compile fsdp_mp_ac \
+                --micro-batch-size 8 --max-tokens-per-micro-batch 16384 ;;
         cell-*)
             cell=${part#cell-}
             case $cell in
