@@ -290,6 +290,30 @@ def same_bytes_seconds(offload: Any) -> tuple[float, float]:
     return seconds[0], seconds[1]
 
 
+def fresh_h2d_seconds(offload: Any) -> tuple[float, float]:
+    """Right after an offload, the onload's bytes from the offload's own host memory into one
+    device allocation the driver has to give (the state's memory was just given back): seconds
+    from the allocation to the last copy's end, and of the copies alone. The onload's ceiling
+    in the device's own state; only reads the host copies, which still hold the state."""
+    storages = {h.untyped_storage().data_ptr(): h.untyped_storage() for h in offload.host}
+    hosts = [torch.empty(0, dtype=torch.uint8).set_(s) for s in storages.values()]
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    device = torch.empty(sum(h.numel() for h in hosts), dtype=torch.uint8, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    at = 0
+    for host in hosts:
+        device[at : at + host.numel()].copy_(host, non_blocking=True)
+        at += host.numel()
+    end.record()
+    end.synchronize()
+    seconds = time.perf_counter() - begin, start.elapsed_time(end) / 1e3
+    del device
+    torch.cuda.empty_cache()
+    return seconds
+
+
 def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
     """``before_build``: bytes allocated before the trainer was built (other objects')."""
     small = batch.select(slice(0, 1)).columns(slice(0, 256))
@@ -299,6 +323,7 @@ def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
     rounds = []
     ceilings = []
     same: list[tuple[float, float]] = []  # the same bytes, from the same host memory
+    fresh: list[tuple[float, float]] = []  # the same bytes into memory just given back
     for index in range(ROUNDS + 1):  # the first pins its host memory (not counted)
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -318,6 +343,10 @@ def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
               "onload_s": round(on_s, 4), "bytes_after_offload": left,
               "copies": trainer._offload.copies})  # fmt: skip
     parts = {f"{k}_s": round(v, 4) for k, v in trainer._offload.seconds.items()}
+    for _ in range(3):  # after the timed rounds, so that no onload follows this allocation
+        trainer.offload()
+        fresh.append(fresh_h2d_seconds(trainer._offload))
+        trainer.onload()
     moved = trainer._offload.nbytes
     ceiling_bytes = min(moved, 4 * 2**30)
     off_s = statistics.median(r[0] for r in rounds)
@@ -359,6 +388,11 @@ def offload(trainer: Any, batch: TrainBatch, before_build: int = 0) -> None:
             "rounds_onload_of_same_bytes": [
                 round(c[0] / r[1], 3) for r, c in zip(rounds, same, strict=True)
             ],
+            # the same bytes copied right after an offload into one allocation the driver
+            # gives (with it / the copies alone; 3 rounds after the timed ones): onload's case
+            "fresh_h2d_gb_s": round(moved / statistics.median(f[0] for f in fresh) / 1e9, 2),
+            "fresh_h2d_copies_gb_s": round(moved / statistics.median(f[1] for f in fresh) / 1e9, 2),
+            "onload_of_fresh_h2d": round(statistics.median(f[0] for f in fresh) / on_s, 3),
             "same_objects": ids == [id(p) for p in trainer.model.parameters()],
             "logprob_diff_after_onload": float((trainer.logprobs(small) - before).abs().max()),
         }
