@@ -96,8 +96,11 @@ class PolicyConfig(Section):
     """FSDP2 CPUOffloadPolicy: keep sharded parameters and optimizer state on the host."""
     compile: bool = False
     """``torch.compile`` each decoder layer (Inductor; one graph for every layer and sequence
-    length, built at the first micro-batch). Fewer, fused kernels: less host time a
-    micro-batch and fewer passes over activations. On a CPU it needs a C++ compiler."""
+    length, built in the first step). Fewer, fused kernels: on an H100 at the 1.5B shape the
+    train phase's MFU rose from 0.298 to 0.361 with activation checkpointing and its peak
+    memory fell by 13 GiB without. Fused bf16 arithmetic rounds differently from the eager
+    generator's, which raises the bf16 logprob mismatch (0.5B: 0.0108 against 0.0086-0.0089).
+    On a CPU it needs a C++ compiler."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; gradients accumulate over the micro-batches of a step."""
     max_tokens_per_micro_batch: int | None = Field(16384, ge=1)
