@@ -21,9 +21,11 @@
 #                (vocabulary 151,936) now and with the attention it had before its windows
 #                (bench/real_scale_gpu.sh 0.5b --sides decode)                               ~350 s
 #   train-mfu    the train phase at 1.5B, 32 x 2048 tokens, micro-batches of 8 / 16,384 tokens,
-#                with and without activation checkpointing, compiled layers and not
-#                (bench/train_phase_profile.py)                                              ~330 s
-#   cell-0.5b    the real-scale cell 0.5B x 2048: tandem, then TRL with the time left        ~560 s
+#                with and without activation checkpointing, compiled layers and not; then the
+#                profile of a compiled step without checkpointing (bench/train_phase_profile.py,
+#                $OUT/fsdp_mp_compile.txt)                                                   ~450 s
+#   cell-0.5b    tandem's side of the real-scale cell 0.5B x 2048 (cell-0.5b-trl: TRL's, in its
+#                own call: its first step alone took over 190 s on an H100)                  ~560 s
 #   cell-1.5b    tandem's side of the 1.5B cell (cell-1.5b-trl: TRL's, in its own call)      ~560 s
 #   cell-7b      tandem's side at 7B: bf16 parameters and AdamW state, to fit 80 GB          ~560 s
 #                (memory and speed; bf16 weights lose most AdamW updates: docs/errors.md)
@@ -39,7 +41,8 @@ usage() { sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2; 
 for part in "$@"; do
     case $part in
         offload | lora-refit | lora-phases | lora-trl | tests | decode | train-mfu | brief) ;;
-        cell-0.5b | cell-1.5b | cell-1.5b-trl | cell-7b | cell-7b-fp32 | cell-tiny) ;;
+        cell-0.5b | cell-0.5b-trl | cell-1.5b | cell-1.5b-trl | cell-7b | cell-7b-fp32) ;;
+        cell-tiny) ;;
         *) usage ;;
     esac
 done
@@ -92,7 +95,10 @@ for part in "$@"; do
         train-mfu)
             run train-mfu 330 python3 bench/train_phase_profile.py --shape 1.5b --sequences 32 \
                 --length 2048 --steps 2 --settings fsdp_mp_ac_compile fsdp_mp_ac fsdp_mp_compile \
-                fsdp_mp --micro-batch-size 8 --max-tokens-per-micro-batch 16384 ;;
+                fsdp_mp --micro-batch-size 8 --max-tokens-per-micro-batch 16384
+            run train-mfu 120 python3 bench/train_phase_profile.py --shape 1.5b --sequences 32 \
+                --length 2048 --steps 1 --settings fsdp_mp_compile --micro-batch-size 8 \
+                --max-tokens-per-micro-batch 16384 --profile "$OUT" ;;
         brief)
             run brief 90 python3 bench/pinned_rate.py
             run brief 90 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
@@ -102,8 +108,8 @@ for part in "$@"; do
         cell-*)
             cell=${part#cell-}
             case $cell in
-                1.5b) sides=(--sides tandem) ;;
-                1.5b-trl) cell=1.5b sides=(--sides trl) ;;
+                0.5b | 1.5b) sides=(--sides tandem) ;;
+                0.5b-trl | 1.5b-trl) cell=${cell%-trl} sides=(--sides trl) ;;
                 7b) sides=(--sides tandem --set policy.mixed_precision=false
                            --set policy.dtype=bfloat16) ;;
                 7b-fp32) cell=7b sides=(--sides tandem) ;;
