@@ -119,9 +119,9 @@ def compile_layers(model: nn.Module) -> None:
     parameter names and state dicts stay as they are), before checkpointing wraps the layers
     and FSDP2 shards them, so the wrapper's recomputation and FSDP2's hooks stay outside the
     compiled code. The layers share one compiled graph per kind of call (a forward without
-    autograd, a forward and its backward), their parameters passed as inputs; ``dynamic=True``
-    compiles for any batch and sequence length at once, where the default would compile the
-    first shape statically and every later micro-batch's length again."""
+    autograd in train and in eval mode, a forward and its backward), their parameters passed as
+    inputs; ``dynamic=True`` compiles for any batch and sequence length at once, where the
+    default compiles the first shape statically and then once more for the next length."""
     for layer in decoder_layers(model):
         layer.compile(dynamic=True)
 
