@@ -68,3 +68,24 @@ def test_an_error_inside_restores_the_terminal(
         raise KeyboardInterrupt
     os.write(2, b"interrupted\n")
     assert "interrupted" in capfd.readouterr().err
+
+
+def test_a_handler_made_during_the_run_logs_after_it(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A library that sets up its logging inside the run (torch with TORCH_LOGS, on its first
+    import) binds its handler to the run's stderr, the log file; logging at exit (torch's
+    compile summary) wrote "--- Logging error ---" on the closed file."""
+    logger = logging.getLogger("a_library_of_the_run")
+    logger.propagate = False
+    with quiet_console(tmp_path / "console.log"):
+        handler = logging.StreamHandler(sys.stderr)
+        logger.addHandler(handler)
+        logger.warning("inside the run")
+    try:
+        logger.warning("at exit")
+    finally:
+        logger.removeHandler(handler)
+    err = capfd.readouterr().err
+    assert "at exit" in err and "Logging error" not in err
+    assert "inside the run" in (tmp_path / "console.log").read_text()

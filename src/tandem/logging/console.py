@@ -57,6 +57,7 @@ def quiet_console(log_file: Path, verbose: bool = False) -> Iterator[TextIO]:
         tandem_logger.removeHandler(handler)
         log.flush()
         sys.stdout, sys.stderr = python_streams
+        _repoint_handlers(log, python_streams[1])
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
         for fd in saved:
@@ -64,3 +65,15 @@ def quiet_console(log_file: Path, verbose: bool = False) -> Iterator[TextIO]:
         _terminal = None
         stream.close()
         log.close()
+
+
+def _repoint_handlers(old: TextIO, new: TextIO) -> None:
+    """Logging handlers made during the run with its ``sys.stderr`` (torch's with TORCH_LOGS,
+    set up when torch is first imported) write to ``new`` from here: ``old``, the log file, is
+    closed after the run, and they still log at exit (torch's compile summary)."""
+    manager = logging.Logger.manager
+    loggers = [logging.getLogger(), *manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", ()):  # placeholders have none
+            if isinstance(handler, logging.StreamHandler) and handler.stream is old:
+                handler.setStream(new)
