@@ -62,6 +62,10 @@ CASES: dict[str, tuple[Setup, str]] = {
         lambda t: ["grpo", "algorithm.num_generations=1"],
         "algorithm.num_generations: Input should be greater than or equal to 2 (got 1)",
     ),
+    "deep sleep with adapter refits": (
+        lambda t: ["grpo", "--config", "grpo_arithmetic_lora", "generation.sleep_level=2"],
+        "the base weights would never come back",
+    ),
     "compile on megatron": (
         lambda t: ["grpo", "policy.backend=megatron", "policy.compile=true"],
         "policy.backend=megatron does not take policy.compile=true",

@@ -173,6 +173,19 @@ def test_merged_refits_need_no_adapter_support() -> None:
     assert config.generation.max_lora_rank == 24
 
 
+def test_adapter_refits_keep_the_generators_base_weights_through_a_sleep() -> None:
+    """A deep sleep (generation.sleep_level=2, the default) drops a generator's weights for the
+    next refit to bring back; adapter refits bring the adapters only, so with LoRA a sleeping
+    generator keeps its base weights: level 1 by default, and 2 asked for is refused."""
+    assert GrpoConfig.model_validate({}).generation.sleep_level == 2
+    config = GrpoConfig.model_validate({"policy": {"lora": {}}})
+    assert config.generation.sleep_level == 1
+    merged = GrpoConfig.model_validate({"policy": {"lora": {}}, "refit": {"lora": "merged"}})
+    assert merged.generation.sleep_level == 2  # full weights come with every refit
+    with pytest.raises(ValueError, match="base weights would never come back"):
+        GrpoConfig.model_validate({"policy": {"lora": {}}, "generation": {"sleep_level": 2}})
+
+
 def _fsdp_rank(rank: int, world_size: int, out: str) -> None:
     """Trains the LoRA policy sharded over ``world_size`` gloo ranks (each its half of the
     batch: the gradients agree with one rank's to float rounding, which Adam scales by up to

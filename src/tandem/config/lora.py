@@ -65,6 +65,12 @@ class Generation(Protocol):
     @property
     def max_lora_rank(self) -> int | None: ...
 
+    @property
+    def sleep_level(self) -> int: ...
+
+    @property
+    def model_fields_set(self) -> set[str]: ...
+
     def model_copy(self, *, update: Any = None, deep: bool = False) -> Any: ...
 
 
@@ -77,7 +83,8 @@ def check_lora_generation(
     """With ``policy.lora`` and adapter refits (``mode``: ``refit.lora``, adapter where a run
     has no refit section), the generators must take adapters: raises ValueError naming the fix
     where they cannot. Returns ``generation`` with ``max_lora_rank`` (the rank the engine is
-    built for) set when it was unset (a copy)."""
+    built for) set when it was unset, and ``sleep_level`` 1 where it was left at its default
+    (a copy): a refit sends no base weights, so a sleeping generator keeps them."""
     if lora is None or mode != "adapter":
         return generation
     if generation.precision == "fp8":
@@ -92,11 +99,21 @@ def check_lora_generation(
                 "policy.lora with algorithm.refit_mode=in_flight on vLLM: running requests keep "
                 "the adapter they started with; use refit_mode=after_requests or refit.lora=merged"
             )
+    update: dict[str, Any] = {}
+    if generation.sleep_level == 2:
+        if "sleep_level" in generation.model_fields_set:
+            raise ValueError(
+                "generation.sleep_level=2 drops the generators' weights while the trainer "
+                "works, and with policy.lora a refit sends the adapters only "
+                "(refit.lora=adapter): the base weights would never come back; set "
+                "generation.sleep_level=1 (the default with LoRA) or refit.lora=merged"
+            )
+        update["sleep_level"] = 1
     if generation.max_lora_rank is None:
-        return generation.model_copy(update={"max_lora_rank": lora.rank})
-    if generation.max_lora_rank < lora.rank:
+        update["max_lora_rank"] = lora.rank
+    elif generation.max_lora_rank < lora.rank:
         raise ValueError(
             f"generation.max_lora_rank={generation.max_lora_rank} is below policy.lora.rank="
             f"{lora.rank}; raise it or leave it unset (it follows the rank)"
         )
-    return generation
+    return generation.model_copy(update=update) if update else generation

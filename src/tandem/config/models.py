@@ -186,7 +186,8 @@ class GenerationConfig(Section):
     sleep_level: Literal[1, 2] = 2
     """Colocated GPUs: how a generator sleeps while the trainer works. 2 drops its weights (the
     runtime refits before it generates again: no copy to and from the host); 1 keeps them in
-    host memory. Both free the KV cache."""
+    host memory. Both free the KV cache. With policy.lora and adapter refits the default is 1
+    (a refit sends no base weights)."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (required on CPU, faster start for tiny models)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
