@@ -94,3 +94,26 @@ def test_sleep_frees_the_device_and_wake_up_gives_the_same_samples() -> None:
     assert [r.response_token_ids for r in generator.generate(prompts, params)] == [
         r.response_token_ids for r in first
     ]
+
+
+def test_a_deep_sleep_frees_the_device_without_a_host_copy_of_the_weights() -> None:
+    """``sleep_level=2``: nothing of the generator stays on the device, only its buffers go to
+    the host, and after a refit of the same weights it samples what it sampled before."""
+    from tandem.tensors.devices import release_device_caches
+
+    release_device_caches()
+    before = torch.cuda.memory_allocated()
+    generator = HfGenerator(DEFAULT_MODEL_DIR, device="cuda:0", dtype="float32", sleep_level=2)
+    prompts = [generator.tokenizer.encode(p) for p in ["17+25=", "3-1=", "99+99="]]
+    params = SamplingParams(temperature=1.0, max_tokens=8, n=4, seed=5)
+    first = generator.generate(prompts, params)
+    weights = {n: p.detach().cpu() for n, p in generator.model.named_parameters()}
+    generator.sleep()
+    assert torch.cuda.memory_allocated() <= before
+    assert generator._asleep is not None
+    assert generator._asleep.nbytes < sum(t.nbytes for t in weights.values()) // 100
+    generator.wake_up()
+    generator.load_weights(iter(weights.items()))
+    again = generator.generate(prompts, params)
+    assert [r.response_token_ids for r in again] == [r.response_token_ids for r in first]
+    assert [r.response_logprobs for r in again] == [r.response_logprobs for r in first]

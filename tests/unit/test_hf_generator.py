@@ -528,3 +528,35 @@ def test_weights_leave_for_the_host_and_come_back_as_the_same_objects(
     assert [id(p) for p in generator.model.parameters()] == objects
     assert [r.response_token_ids for r in again] == [r.response_token_ids for r in before]
     assert [r.response_logprobs for r in again] == [r.response_logprobs for r in before]
+
+
+def test_a_deep_sleep_drops_the_weights_until_a_refit_fills_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``sleep_level=2`` (``generation.sleep_level``, a GPU's sleep, made to run on the CPU
+    here): the parameters' bytes are dropped, not copied, and only the buffers go to the host;
+    after waking, generating before a refit is refused, and a refit gives the samples back."""
+    monkeypatch.setattr(HfGenerator, "supports_sleep", property(lambda self: True))
+    gen = make_generator(GenerationConfig(backend="hf", sleep_level=2), DEFAULT_MODEL_DIR)
+    assert isinstance(gen, HfGenerator) and gen.sleep_level == 2
+    ids = _prompt_ids(gen)
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=3)
+    before = gen.generate(ids, params)
+    weights = {name: p.detach().clone() for name, p in gen.model.named_parameters()}
+    buffer_bytes = sum(b.untyped_storage().nbytes() for b in gen.model.buffers())
+    gen.sleep()
+    assert all(p.untyped_storage().nbytes() == 0 for p in gen.model.parameters())
+    assert gen._asleep is not None and gen._asleep.nbytes == buffer_bytes > 0
+    gen.wake_up()
+    assert all(p.untyped_storage().nbytes() for p in gen.model.parameters())
+    with pytest.raises(ValueError, match="dropped by a deep sleep"):
+        gen.generate(ids, params)
+    gen.load_weights(iter(weights.items()))
+    again = gen.generate(ids, params)
+    assert [r.response_token_ids for r in again] == [r.response_token_ids for r in before]
+    assert [r.response_logprobs for r in again] == [r.response_logprobs for r in before]
+    gen.sleep()  # a generation without the sleep in between keeps its weights
+    gen.load_weights(iter(weights.items()))  # wakes it first
+    assert [r.response_token_ids for r in gen.generate(ids, params)] == [
+        r.response_token_ids for r in before
+    ]

@@ -25,7 +25,7 @@ def make_generator(
     if backend == "hf":
         from tandem.generation.hf_generator import HfGenerator
 
-        return HfGenerator(model_path, device=device, dtype=dtype)
+        return HfGenerator(model_path, device=device, dtype=dtype, sleep_level=config.sleep_level)
     if backend == "vllm":
         from tandem.generation.vllm_generator import VllmGenerator
 

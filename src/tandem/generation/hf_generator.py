@@ -206,10 +206,16 @@ class HfGenerator(Generator):
         dtype: str = "float32",
         max_batch_size: int = 256,
         cuda_graphs: bool = True,
+        sleep_level: int = 1,
     ) -> None:
         from transformers import AutoTokenizer
 
         super().__init__()
+        self.sleep_level = sleep_level
+        """``generation.sleep_level``: ``sleep`` keeps the weights in host memory (1) or drops
+        them (2: no copy either way, no host memory for them; a refit must fill them before
+        the next generation, as the runtime's does after a deep sleep)."""
+        self._dropped = False  # the weights were dropped by a deep sleep and not refit since
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} (got {dtype!r})")
         self.device = torch.device(device)
@@ -256,6 +262,11 @@ class HfGenerator(Generator):
         if any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("every prompt needs at least one token")
         self.wake_up()  # asleep (a caller that skipped wake_up): the weights first
+        if self._dropped:
+            raise ValueError(
+                "the generator's weights were dropped by a deep sleep (sleep_level=2): load "
+                "or receive the weights (a refit) before generating"
+            )
         rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(params.n)]
         rollouts: list[Rollout] = []
         for start in range(0, len(rows), self.max_batch_size):
@@ -496,6 +507,7 @@ class HfGenerator(Generator):
         for name, tensor in itertools.chain([first], stream):
             _target(state, name, tensor).copy_(tensor)
         self._repack()
+        self._dropped = False
         # no prefix cache to reset: every generate call prefills from scratch
 
     @torch.no_grad()
@@ -520,6 +532,7 @@ class HfGenerator(Generator):
         make_receiver(spec, self.device, rank=first_rank).copy_into(targets)
         if not adapter:  # the packed layers' weights are the base weights, which it left alone
             self._repack()
+            self._dropped = False
 
     def _repack(self) -> None:
         """The packed linear layers follow their weights (after a refit wrote them)."""
@@ -536,9 +549,13 @@ class HfGenerator(Generator):
         """Colocated with a trainer on a GPU: the weights' storages to (pinned) host memory,
         resized to 0 bytes, and the caching allocator's blocks (the last decode's KV cache)
         handed back. Every parameter object stays as it is, so a refit's targets and peft's
-        adapters keep pointing at them. No-op on a CPU (the memory is the host's already)."""
+        adapters keep pointing at them. ``sleep_level`` 2 copies only the buffers (rotary
+        frequencies, which no refit sends) and drops the parameters' bytes. No-op on a CPU (the
+        memory is the host's already)."""
         if self.supports_sleep and self._asleep is None:
-            self._asleep = self._weights_to_host(self._asleep_before)
+            drop = list(self.model.parameters()) if self.sleep_level == 2 else []
+            self._asleep = self._weights_to_host(self._asleep_before, drop)
+            self._dropped = self._dropped or bool(drop)
             release_device_caches()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -547,11 +564,14 @@ class HfGenerator(Generator):
             self._asleep.onload()
             self._asleep_before, self._asleep = self._asleep, None
 
-    def _weights_to_host(self, previous: StorageOffload | None = None) -> StorageOffload:
+    def _weights_to_host(
+        self, previous: StorageOffload | None = None, drop: list[torch.Tensor] | None = None
+    ) -> StorageOffload:
         """Offload every storage of the model's parameters and buffers (the host copies of
-        ``previous`` reused where the storages are the same)."""
+        ``previous`` reused where the storages are the same), those of ``drop`` without their
+        bytes."""
         tensors = [*self.model.parameters(), *self.model.buffers()]
-        moved = StorageOffload(tensors, self.device, previous=previous)
+        moved = StorageOffload(tensors, self.device, discard=drop or (), previous=previous)
         moved.offload()
         return moved
 
