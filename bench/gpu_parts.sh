@@ -115,7 +115,10 @@ for part in "$@"; do
                 7b-fp32) cell=7b sides=(--sides tandem) ;;
                 *) sides=() ;;
             esac
-            run "$part" 560 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh "$cell" \
-                --budget-s 540 "${sides[@]}" ;;
+            if [ "$cell" != tiny ] && [ "${sides[1]:-}" != trl ]; then  # the sleep it runs on
+                run "$part" 60 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
+            fi
+            run "$part" 530 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh "$cell" \
+                --budget-s 500 "${sides[@]}" ;;
     esac
 done
