@@ -74,7 +74,10 @@ def main() -> None:
             **SETTINGS[name],
         )
         trainer = PolicyTrainer(config)
-        trainer.train(batch, nll_loss)
+        start = time.perf_counter()
+        trainer.train(batch, nll_loss)  # untimed: warms up (compiles the layers, if it does)
+        sync()
+        first_s = time.perf_counter() - start
         times = []
         for _ in range(args.steps):
             sync()
@@ -91,6 +94,7 @@ def main() -> None:
                 "tokens": tokens,
                 "micro_batch": [args.micro_batch_size, args.max_tokens_per_micro_batch],
                 "step_s": round(seconds, 3),
+                "first_step_s": round(first_s, 1),
                 "mfu": round(flops / seconds / peak, 3),
                 "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
             }
