@@ -78,3 +78,43 @@ def test_without_gradients_nothing_is_kept() -> None:
     assert picked.grad_fn is None
     assert torch.allclose(picked, ref_picked, atol=1e-6)
     assert torch.allclose(entropy, ref_entropy, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_bf16_logits_gradient_is_the_fp32_one_rounded_once(with_entropy: bool) -> None:
+    """In bf16 compute the head's logits stay bf16; the (log-)softmax and the gradient on the
+    logits run in fp32 and are rounded once into bf16, so they equal the fp32 gradient of the
+    same bf16 logits rounded to bf16 (a bf16 pass in between would round twice)."""
+    hidden, weight, targets, weights = _inputs(seed=3, tokens=40, width=32, vocab=5003)
+    logits = F.linear(hidden.detach().bfloat16(), weight.detach().bfloat16())
+    wide = logits.float().requires_grad_()
+    logp = torch.log_softmax(wide, -1)
+    loss = (weights[0] * logp.gather(-1, targets[:, None])[:, 0]).sum()
+    if with_entropy:
+        loss = loss + (weights[1] * -(logp.exp() * logp).sum(-1)).sum()
+    (reference,) = torch.autograd.grad(loss, wide)
+    grad = logprobs_module._logits_grad(
+        logits, targets, weights[0], weights[1] if with_entropy else None
+    )
+    assert grad.dtype == torch.bfloat16
+    ulp = reference.abs().clamp_min(1e-30).log2().floor().sub(7).exp2()  # bf16's spacing there
+    apart = (grad.float() - reference).abs() / ulp
+    assert apart.max() <= 1.01  # the rounding of the fp32 value (and fp32 arithmetic's last bits)
+    assert (grad == reference.bfloat16()).float().mean() > 0.99
+
+
+def test_an_unused_entropy_costs_no_entropy_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``with_entropy`` the backward gets no entropy gradient (None, not zeros), so it
+    takes the softmax-only path."""
+    seen: list[object] = []
+    real = logprobs_module._logits_grad
+
+    def spy(logits, targets, grad_picked, grad_entropy):  # type: ignore[no-untyped-def]
+        seen.append(grad_entropy)
+        return real(logits, targets, grad_picked, grad_entropy)
+
+    monkeypatch.setattr(logprobs_module, "_logits_grad", spy)
+    hidden, weight, targets, weights = _inputs(seed=5)
+    picked, _ = token_logprobs(hidden, weight, targets, 16)
+    (weights[0] * picked).sum().backward()
+    assert len(seen) == 4 and all(grad is None for grad in seen)
