@@ -24,6 +24,10 @@
 #                with and without activation checkpointing, compiled layers and not; then the
 #                profile of a compiled step without checkpointing (bench/train_phase_profile.py,
 #                $OUT/fsdp_mp_compile.txt)                                                   ~450 s
+#   train-spread what a micro-batch shape never seen before costs each attention kernel
+#                (bench/sdpa_shapes.py); the train phase at 1.5B with new random lengths every
+#                step, as in the loop, cuDNN attention first (the default) and flash first; the
+#                loss's extra memory at 16,384 tokens (bench/chunked_loss_memory.py)         ~300 s
 #   cell-0.5b    tandem's side of the real-scale cell 0.5B x 2048 (cell-0.5b-trl: TRL's, in its
 #                own call: its first step alone took over 190 s on an H100)                  ~560 s
 #   cell-1.5b    tandem's side of the 1.5B cell (cell-1.5b-trl: TRL's, in its own call)      ~560 s
@@ -41,6 +45,7 @@ usage() { sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2; 
 for part in "$@"; do
     case $part in
         offload | lora-refit | lora-phases | lora-trl | tests | decode | train-mfu | brief) ;;
+        train-spread) ;;
         cell-0.5b | cell-0.5b-trl | cell-1.5b | cell-1.5b-trl | cell-7b | cell-7b-fp32) ;;
         cell-tiny) ;;
         *) usage ;;
@@ -99,6 +104,14 @@ for part in "$@"; do
             run train-mfu 120 python3 bench/train_phase_profile.py --shape 1.5b --sequences 32 \
                 --length 2048 --steps 1 --settings fsdp_mp_compile --micro-batch-size 8 \
                 --max-tokens-per-micro-batch 16384 --profile "$OUT" ;;
+        train-spread)
+            run train-spread 60 python3 bench/sdpa_shapes.py
+            for sdpa in cudnn flash; do
+                run train-spread 100 python3 bench/train_phase_profile.py --shape 1.5b --sequences 64 \
+                    --length 2048 --steps 4 --spread --sdpa "$sdpa" --settings fsdp_mp_ac \
+                    --micro-batch-size 64 --max-tokens-per-micro-batch 65536
+            done
+            run train-spread 60 python3 bench/chunked_loss_memory.py --tokens 16384 --hidden 1536 ;;
         brief)
             run brief 90 python3 bench/pinned_rate.py
             run brief 90 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
