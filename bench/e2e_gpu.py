@@ -274,7 +274,8 @@ def emit_breakdown(
     """One line for each step after the first, then their medians, the worst mismatch and the
     pinned-copy ceilings of this run."""
     setup = {
-        "mixed_precision": args.mixed_precision,
+        "mixed_precision": args.mixed_precision,  # the flag; --set overrides (below) win
+        "overrides": args.overrides,
         "kl_coef": args.kl_coef,
         "real_vocab": args.real_vocab,
         "max_tokens": args.max_tokens,
