@@ -8,11 +8,14 @@
     bf16 decode          the last ``--tail`` tokens one at a time with a KV cache, as a
                          generator computes them
 
-and the relative error of the hidden states after every 4th layer. One JSON line per shape:
+and the relative error of the hidden states after every 4th layer. A random model's next-token
+distribution is close to uniform (mean sampled logprob about -12, where a trained model's is
+nearer -1); ``--sharpen S`` multiplies the final norm's weight by S, the logits with it, for a
+peaked distribution of the same model. One JSON line per shape and sharpening:
 mean |logprob - fp32| of each, and bf16 full against bf16 decode (two bf16 computations that
 differ only in their shapes: what the trainer/generator mismatch measures).
 
-    PYTHONPATH=bench ./run.sh python bench/bf16_floor.py --shapes 0.5b 1.5b
+    PYTHONPATH=bench ./run.sh python bench/bf16_floor.py --shapes 0.5b 1.5b [--sharpen 1 8]
 """
 
 from __future__ import annotations
@@ -59,10 +62,11 @@ def _errors(hidden: tuple, reference: tuple) -> list[float]:
 
 
 @torch.no_grad()
-def measure(shape: str, tokens: int, tail: int, seed: int) -> dict[str, Any]:
+def measure(shape: str, tokens: int, tail: int, seed: int, sharpen: float) -> dict[str, Any]:
     torch.manual_seed(seed)
     config = real_config(shape)
     model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    model.model.norm.weight.mul_(sharpen)
     prompt = torch.randint(0, config.vocab_size - 2000, (1, tokens))
     model.float()
     sampled = torch.distributions.Categorical(logits=model(prompt).logits[0, :-1]).sample()
@@ -99,6 +103,7 @@ def measure(shape: str, tokens: int, tail: int, seed: int) -> dict[str, Any]:
         "layers": config.num_hidden_layers,
         "hidden": config.hidden_size,
         "tokens": tokens,
+        "sharpen": sharpen,
         "mean_logprob_fp32": round(float(fp32.mean()), 3),
         "bf16": gap(bf16, fp32),
         "bf16_fp32_head": gap(head32, fp32),
@@ -120,10 +125,12 @@ def main() -> None:
     parser.add_argument("--tail", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sharpen", type=float, nargs="+", default=[1.0])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for shape in args.shapes:
-        emit(measure(shape, args.tokens, args.tail, args.seed))
+        for sharpen in args.sharpen:
+            emit(measure(shape, args.tokens, args.tail, args.seed, sharpen))
 
 
 if __name__ == "__main__":

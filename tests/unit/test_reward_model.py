@@ -283,8 +283,9 @@ def test_the_rm_recipe_holds_out_one_pair_per_held_out_problem() -> None:
 
 def test_the_chosen_lm_loss_forms_chunks_and_matches_full_logits() -> None:
     """The LM term's value and gradients equal the cross-entropy of full ``[rows, tokens,
-    vocabulary]`` logits (fp32: 1e-6 absolute, gradients 1e-5 relative) when its head runs two
-    tokens at a time."""
+    vocabulary]`` logits (fp32: the value 1e-6 absolute; gradients, up to 1.9 here, 1e-5 relative
+    or 5e-6 absolute: fp32's own error, the full-logits gradients are 2.9e-6 from fp64's) when
+    its head runs two tokens at a time."""
     torch.set_num_threads(1)
     trainer = RewardModelTrainer(
         DEFAULT_MODEL_DIR, OptimizerConfig(lr=1e-3), total_steps=1, chosen_lm_coef=1.0
@@ -311,6 +312,6 @@ def test_the_chosen_lm_loss_forms_chunks_and_matches_full_logits() -> None:
     for a, b in zip(grads_chunked, grads_full, strict=True):
         assert (a is None) == (b is None)
         if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-6)
             compared += 1
     assert compared > 10
