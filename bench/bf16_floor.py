@@ -61,16 +61,26 @@ def _errors(hidden: tuple, reference: tuple) -> list[float]:
     return [round(float((h.float() - r).norm() / r.norm()), 4) for h, r in picked]
 
 
+def _sample(model: Any, first: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``tokens`` ids: ``first``, then each sampled from the fp32 model given those before it."""
+    cache = transformers.DynamicCache()
+    ids = first
+    logits = model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+    while ids.shape[1] < tokens:
+        token = torch.distributions.Categorical(logits=logits).sample()[:, None]
+        ids = torch.cat([ids, token], dim=1)
+        logits = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
+    return ids
+
+
 @torch.no_grad()
 def measure(shape: str, tokens: int, tail: int, seed: int, sharpen: float) -> dict[str, Any]:
     torch.manual_seed(seed)
     config = real_config(shape)
     model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
     model.model.norm.weight.mul_(sharpen)
-    prompt = torch.randint(0, config.vocab_size - 2000, (1, tokens))
     model.float()
-    sampled = torch.distributions.Categorical(logits=model(prompt).logits[0, :-1]).sample()
-    ids = torch.cat([prompt[:, :1], sampled[None]], dim=1)
+    ids = _sample(model, torch.randint(0, config.vocab_size - 2000, (1, 1)), tokens)
     targets = ids[:, 1:]
     ref = model(ids, output_hidden_states=True)
     fp32 = _logprobs(ref.logits[:, :-1], targets)
