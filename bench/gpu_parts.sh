@@ -31,8 +31,8 @@
 #   cell-0.5b    tandem's side of the real-scale cell 0.5B x 2048 (cell-0.5b-trl: TRL's, in its
 #                own call: its first step alone took over 190 s on an H100)                  ~560 s
 #   cell-1.5b    tandem's side of the 1.5B cell (cell-1.5b-trl: TRL's, in its own call)      ~560 s
-#   cell-7b      tandem's side at 7B: bf16 parameters and AdamW state, to fit 80 GB          ~560 s
-#                (memory and speed; bf16 weights lose most AdamW updates: docs/errors.md)
+#   cell-7b      tandem's side at 7B: bf16 parameters and AdamW state, to fit 80 GB, rounded
+#                stochastically (policy.optimizer.bf16_stochastic_round: torchao)            ~560 s
 #   cell-7b-fp32 tandem's side at 7B with fp32 master weights (122 GB of state: an H200)    ~560 s
 #   cell-tiny    the cells' path at a tiny shape (a check on a CPU: TRL_PYTHON, a Python with TRL)
 #   brief        where device time is short, one figure of each open question: the onload shapes
@@ -124,7 +124,8 @@ for part in "$@"; do
                 0.5b | 1.5b) sides=(--sides tandem) ;;
                 0.5b-trl | 1.5b-trl) cell=${cell%-trl} sides=(--sides trl) ;;
                 7b) sides=(--sides tandem --set policy.mixed_precision=false
-                           --set policy.dtype=bfloat16) ;;
+                           --set policy.dtype=bfloat16
+                           --set policy.optimizer.bf16_stochastic_round=true) ;;
                 7b-fp32) cell=7b sides=(--sides tandem) ;;
                 *) sides=() ;;
             esac

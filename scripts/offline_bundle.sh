@@ -4,7 +4,8 @@
 # and pyarrow already, and no network. The folder holds:
 #   whl/          pydantic and its companions, Ray's pure-Python needs (jsonschema & co.),
 #                 datasets (file data), trl (the side-by-side benchmarks), peft + accelerate
-#                 (LoRA), megatron-core: binary wheels for the target's Python and platform
+#                 (LoRA), megatron-core, torchao (bf16 stochastic rounding): binary wheels for
+#                 the target's Python and platform
 #   ray.tar.xz    Ray without its Java jars, its dashboard's web build and the libraries tandem
 #                 does not use (rllib, tune, train, serve, data, llm): ~28 MB instead of ~79 MB
 #   unpack.sh     run on the target: installs both into <folder>/site
@@ -28,10 +29,10 @@ packages=(
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   jsonschema referencing rpds-py jsonschema-specifications
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 trl==1.16.0
-  peft==0.21.2 accelerate megatron-core==0.19.2
+  peft==0.21.2 accelerate megatron-core==0.19.2 torchao==0.18.0
 )
 
-usage() { sed -n '12,17p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '13,18p' "$0" | sed 's/^# \{0,1\}//'; }
 need() { [ "$2" -ge 2 ] || { echo "offline_bundle.sh: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case $1 in

@@ -213,15 +213,19 @@ def warn_bf16_weights(policy: PolicyConfig) -> None:
     ``policy.dtype=bfloat16`` and every weight trained (LoRA's adapters are fp32; Megatron keeps
     fp32 main parameters). An update below about 1/256 of its weight rounds away: on a random
     0.5B-shape model in bf16, 3 AdamW steps changed 1.9 % of the weights at lr 1e-6, 15 % at
-    1e-5, 83 % at 1e-4 (``bench/bf16_updates.py``, docs/errors.md)."""
+    1e-5, 83 % at 1e-4 (``bench/bf16_updates.py``, docs/errors.md). Stochastic rounding
+    (``policy.optimizer.bf16_stochastic_round``) keeps them in expectation: no warning then."""
     if policy.dtype != "bfloat16" or policy.backend != "fsdp2" or policy.lora is not None:
+        return
+    if policy.optimizer.bf16_stochastic_round:
         return
     logging.getLogger("tandem.preflight").warning(
         "warning: policy.dtype=bfloat16 trains weights kept in bfloat16, where an AdamW "
         "update smaller than about 1/256 of its weight rounds away (3 steps of a 0.5B-shape "
         "model changed 1.9 %% of its weights at lr 1e-6, 15 %% at 1e-5; this run's "
         "policy.optimizer.lr is %g). For float32 weights with bfloat16 compute: "
-        "policy.dtype=float32 policy.mixed_precision=true.",
+        "policy.dtype=float32 policy.mixed_precision=true; to keep bfloat16 weights with their "
+        "updates kept in expectation: policy.optimizer.bf16_stochastic_round=true.",
         policy.optimizer.lr,
     )
 

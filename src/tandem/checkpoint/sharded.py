@@ -81,7 +81,9 @@ def save(state: TrainState, path: Path, extra: dict[str, Any]) -> None:
         torch.save(_rng_state(), tmp / f"rng_rank{ranks.rank}.pt")
         ranks.barrier()
         if ranks.rank == 0:
-            scheduler = state.scheduler.state_dict() if state.scheduler is not None else None
+            scheduler = (
+                _plain(state.scheduler.state_dict()) if state.scheduler is not None else None
+            )
             record = {
                 "step": state.step,
                 "world_size": ranks.world_size,
@@ -90,6 +92,18 @@ def save(state: TrainState, path: Path, extra: dict[str, Any]) -> None:
             }
             (tmp / STATE_FILE).write_text(json.dumps(record))
     ranks.barrier()
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with its tensors as numbers or lists: an optimizer whose learning rate is a
+    tensor (torchao's) gives its scheduler tensor learning rates."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return value
 
 
 def complete(path: Path) -> Path | None:

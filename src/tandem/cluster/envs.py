@@ -82,6 +82,8 @@ REGISTRY: dict[str, EnvSpec | Callable[[], EnvSpec]] = {
     # policy.backend=megatron: the trainer's packages plus megatron-core (the FSDP2 trainer's
     # environment never installs it)
     "trainer_megatron": EnvSpec("trainer-megatron", ("train", "megatron")),
+    # policy.optimizer.bf16_stochastic_round: the trainer's packages plus torchao
+    "trainer_lowbit": EnvSpec("trainer-lowbit", ("train", "lowbit")),
     "generator": _generator_spec,
     # environments of multi-turn rollouts: the driver's dependencies (the same environment);
     # register a kind with extras for one that needs packages (environment.actor_kind)
@@ -95,9 +97,12 @@ REGISTRY: dict[str, EnvSpec | Callable[[], EnvSpec]] = {
 }
 
 
-def trainer_kind(backend: str) -> str:
-    """The actor kind of the policy trainers of ``policy.backend``."""
-    return "trainer_megatron" if backend == "megatron" else "trainer"
+def trainer_kind(backend: str, stochastic_round: bool = False) -> str:
+    """The actor kind of the policy trainers of ``policy.backend`` (and of
+    ``policy.optimizer.bf16_stochastic_round``)."""
+    if backend == "megatron":
+        return "trainer_megatron"
+    return "trainer_lowbit" if stochastic_round else "trainer"
 
 
 def spec_for(kind: str) -> EnvSpec:

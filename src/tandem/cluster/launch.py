@@ -162,7 +162,9 @@ def launch_ray(spec: RuntimeSpec) -> Runtime:
     trainer_kwargs, generator_kwargs = worker_kwargs(spec)
     groups: dict[str, Callable[[], Group]] = {
         "trainer": lambda: group(
-            TrainerWorker, cluster.num_trainers, kind=trainer_kind(spec.policy.backend),
+            TrainerWorker, cluster.num_trainers, kind=trainer_kind(
+                spec.policy.backend, spec.policy.optimizer.bf16_stochastic_round
+            ),
             kwargs=trainer_kwargs,
             bundles=placement.trainer_bundles,
         ),

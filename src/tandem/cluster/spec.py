@@ -43,6 +43,8 @@ class RuntimeSpec:
         if self.policy.backend == "megatron":
             self._check_megatron()
         shared = env_mode(self.cluster.env_mode) == "shared"  # $TANDEM_ENV_MODE first
+        if shared and self.policy.optimizer.bf16_stochastic_round and find_spec("torchao") is None:
+            raise ValueError(LOWBIT_HERE + " (cluster.env_mode=shared runs the trainers here)")
         backend = machine.generator_backend(self.generation, self.cluster.address, shared)
         generation = self.generation.model_copy(update={"backend": backend})
         spec = dataclasses.replace(self, generation=generation)
@@ -68,6 +70,12 @@ class RuntimeSpec:
         )
 
 
+LOWBIT_HERE = (
+    "torchao in this interpreter for policy.optimizer.bf16_stochastic_round (the lowbit extra: "
+    "uv sync --extra lowbit; Ray actors in isolated environments install it themselves)"
+)
+
+
 def in_process_misfits(spec: RuntimeSpec) -> list[str]:
     """What keeps the run of ``spec`` from running in this process, each as what would have to
     change ([] if nothing): one trainer and one generator taking turns on a CPU machine, one
@@ -91,6 +99,10 @@ def in_process_misfits(spec: RuntimeSpec) -> list[str]:
             bool(machine.nvidia_devices()),
             "a machine without NVIDIA GPUs (the memory phases keep GPU workers in their own "
             "processes)",
+        ),
+        (
+            spec.policy.optimizer.bf16_stochastic_round and find_spec("torchao") is None,
+            LOWBIT_HERE,
         ),
         (
             spec.with_generators and backend == "vllm" and find_spec("vllm") is None,

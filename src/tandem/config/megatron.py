@@ -95,6 +95,11 @@ def check_megatron_policy(policy: Any) -> None:
         (policy.cpu_offload, "policy.cpu_offload=true (an FSDP2 policy)"),
         (policy.compile, "policy.compile=true (the FSDP2 trainer's decoder layers)"),
         (policy.packing, "policy.packing=true (the Megatron trainer takes padded batches)"),
+        (
+            policy.optimizer.bf16_stochastic_round,
+            "policy.optimizer.bf16_stochastic_round=true (Megatron's optimizer keeps fp32 main "
+            "weights)",
+        ),
     ]
     found = [what for bad, what in refused if bad]
     if found:

@@ -51,6 +51,10 @@ from tandem.trainer.weights import full_tensor, hf_state
 from tandem.vision_attention import batch_vision_windows
 from tandem.vision_mlp import align_vision_mlps
 
+STOCHASTIC_ROUND_SEED = 20_261_207
+"""Seed of each trainer rank's default generator (plus its rank) with
+``policy.optimizer.bf16_stochastic_round``."""
+
 
 def vision_patch_cost(lm: Any) -> float:
     """``data.packing.plan_micro_batches``' patch cost for ``lm``: one image patch through the
@@ -193,6 +197,10 @@ class PolicyTrainer:
             # with LoRA only the adapters require gradients: the optimizer holds nothing else
             trained = [p for p in self.model.parameters() if p.requires_grad]
             self.optimizer, self.scheduler = build_optimizer(trained, config.optimizer, total_steps)
+            if config.optimizer.bf16_stochastic_round:
+                # its rounding draws from the default generator, which each process seeds at
+                # random: seeded here, a run repeats and a resume (which restores it) continues
+                torch.manual_seed(STOCHASTIC_ROUND_SEED + rank)
         self.step = 0
         self.resident = True
         """Whether the state is on the device (``offload``/``onload`` toggle it)."""

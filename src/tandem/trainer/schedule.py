@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -39,8 +40,17 @@ def lr_factor(config: OptimizerConfig, total_steps: int | None) -> Callable[[int
 
 def build_optimizer(
     parameters: list[torch.nn.Parameter], config: OptimizerConfig, total_steps: int | None
-) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    optimizer = torch.optim.AdamW(
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    optimizer = (
+        _stochastic_round_adamw(parameters, config)
+        if config.bf16_stochastic_round
+        else _adamw(parameters, config)
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config, total_steps))
+
+
+def _adamw(parameters: list[torch.nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
         parameters,
         lr=config.lr,
         betas=config.betas,
@@ -50,4 +60,29 @@ def build_optimizer(
         # docs/benchmarks/2026-12-05-cpu-e2e-amd.md); torchtitan's default on GPUs
         fused=True,
     )
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config, total_steps))
+
+
+def _stochastic_round_adamw(
+    parameters: list[torch.nn.Parameter], config: OptimizerConfig
+) -> torch.optim.Optimizer:
+    """torchao's AdamW rounding bf16 weights stochastically (its step is compiled for each
+    parameter shape: Inductor, with a C++ compiler on a CPU)."""
+    # its import reports the CUDA kernels it cannot load on this machine and a torch deprecation
+    # of its own, neither of which concerns the optimizer
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        from torchao.optim import _AdamW
+    finally:
+        for logger, level in zip(quiet, levels, strict=True):
+            logger.setLevel(level)
+    return _AdamW(  # type: ignore[no-any-return]
+        parameters,
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        bf16_stochastic_round=True,
+    )
