@@ -127,3 +127,34 @@ def test_export_hf_loads_with_transformers(
     assert torch.equal(a, b)
     exported = dict(trainer.iter_weights())
     assert all(torch.equal(loaded.state_dict()[n], t) for n, t in exported.items())
+
+
+def test_a_tensor_learning_rate_saves_and_resumes(tmp_path: Path) -> None:
+    """An optimizer whose learning rate is a tensor (torchao's, ``policy.optimizer.
+    bf16_stochastic_round``) gives its scheduler tensor learning rates: the checkpoint keeps
+    them as numbers, and the resumed schedule goes on where it stopped."""
+    from tandem.checkpoint.state import TrainState
+    from tandem.trainer.schedule import lr_factor
+
+    def state() -> TrainState:
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.1))
+        factor = lr_factor(SCHEDULE, None)
+        return TrainState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor), 0)
+
+    saved = state()
+    for _ in range(3):
+        saved.model(torch.ones(2, 4)).sum().backward()
+        saved.optimizer.step()  # type: ignore[union-attr]
+        saved.scheduler.step()  # type: ignore[union-attr]
+    saved.step = 3
+    sharded.save(saved, tmp_path / "ckpt", extra={})
+    loaded = state()
+    sharded.load(loaded, tmp_path / "ckpt")
+    assert loaded.step == 3
+    for _ in range(2):
+        saved.scheduler.step()  # type: ignore[union-attr]
+        loaded.scheduler.step()  # type: ignore[union-attr]
+        lr = float(saved.optimizer.param_groups[0]["lr"])  # type: ignore[union-attr]
+        assert float(loaded.optimizer.param_groups[0]["lr"]) == pytest.approx(lr)  # type: ignore[union-attr]
+        assert lr != pytest.approx(0.1)  # a schedule that moves: warm-up then cosine
