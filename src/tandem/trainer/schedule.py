@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -41,31 +42,21 @@ def lr_factor(config: OptimizerConfig, total_steps: int | None) -> Callable[[int
 def build_optimizer(
     parameters: list[torch.nn.Parameter], config: OptimizerConfig, total_steps: int | None
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    optimizer = (
-        _stochastic_round_adamw(parameters, config)
-        if config.bf16_stochastic_round
-        else _adamw(parameters, config)
+    adam: dict[str, Any] = dict(
+        lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
     )
+    optimizer: torch.optim.Optimizer
+    if config.bf16_stochastic_round:
+        optimizer = _stochastic_round_adamw()(parameters, **adam, bf16_stochastic_round=True)
+    else:
+        # fused: one kernel over all parameters instead of torch's per-tensor loop off CUDA
+        # (figures: docs/benchmarks/2026-12-05-cpu-e2e-amd.md); torchtitan's default on GPUs
+        optimizer = torch.optim.AdamW(parameters, **adam, fused=True)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config, total_steps))
 
 
-def _adamw(parameters: list[torch.nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        parameters,
-        lr=config.lr,
-        betas=config.betas,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-        # one kernel over all parameters instead of torch's per-tensor loop off CUDA (figures:
-        # docs/benchmarks/2026-12-05-cpu-e2e-amd.md); torchtitan's default on GPUs
-        fused=True,
-    )
-
-
-def _stochastic_round_adamw(
-    parameters: list[torch.nn.Parameter], config: OptimizerConfig
-) -> torch.optim.Optimizer:
-    """torchao's AdamW rounding bf16 weights stochastically (its step is compiled for each
+def _stochastic_round_adamw() -> Any:
+    """torchao's AdamW, which rounds bf16 weights stochastically (its step is compiled for each
     parameter shape: Inductor, with a C++ compiler on a CPU)."""
     # its import reports the CUDA kernels it cannot load on this machine and a torch deprecation
     # of its own, neither of which concerns the optimizer
@@ -78,11 +69,4 @@ def _stochastic_round_adamw(
     finally:
         for logger, level in zip(quiet, levels, strict=True):
             logger.setLevel(level)
-    return _AdamW(  # type: ignore[no-any-return]
-        parameters,
-        lr=config.lr,
-        betas=config.betas,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-        bf16_stochastic_round=True,
-    )
+    return _AdamW
