@@ -30,9 +30,10 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     matmul on tensor cores for bf16, as vLLM): the (log-)softmax reads them once and
     accumulates in fp32, and backward writes the logits' gradient (``grad_logprob * (onehot -
     p)``, plus the entropy's ``-grad_entropy * p * (log p + H)``) straight into the compute
-    dtype for the head's two matmuls. No fp32 copy of the logits is made first: at a 151,936-token
-    vocabulary each such pass over a chunk's logits costs what a tenth of the head's matmul
-    does. Peak extra memory: one chunk's fp32 probabilities, its logits and their gradient,
+    dtype for the head's two matmuls. No fp32 copy of the logits is made first: at a
+    151,936-token vocabulary such elementwise passes over the chunks' logits took about a
+    quarter of a 1.5B train step on an H100 (docs/benchmarks/2026-12-07-h100-cells.md). Peak
+    extra memory: one chunk's fp32 probabilities, its logits and their gradient,
     whatever the number of tokens."""
 
     @staticmethod
