@@ -123,10 +123,13 @@ for part in "$@"; do
             case $cell in
                 0.5b | 1.5b) sides=(--sides tandem) ;;
                 0.5b-trl | 1.5b-trl) cell=${cell%-trl} sides=(--sides trl) ;;
-                7b) sides=(--sides tandem --set policy.mixed_precision=false
-                           --set policy.dtype=bfloat16
+                # 7B: micro-batches of 16,384 tokens (65,536 would need ~30 GB of activations
+                # beside 43 GB of parameters and AdamW state and 14 GB of gradients)
+                7b) sides=(--sides tandem --micro-batch-size 16 --max-tokens-per-micro-batch 16384
+                           --set policy.mixed_precision=false --set policy.dtype=bfloat16
                            --set policy.optimizer.bf16_stochastic_round=true) ;;
-                7b-fp32) cell=7b sides=(--sides tandem) ;;
+                7b-fp32) cell=7b sides=(--sides tandem --micro-batch-size 16
+                                        --max-tokens-per-micro-batch 16384) ;;
                 *) sides=() ;;
             esac
             if [ "$cell" != tiny ] && [ "${sides[1]:-}" != trl ]; then  # the sleep it runs on
