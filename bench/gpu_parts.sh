@@ -32,8 +32,10 @@
 #                own call: its first step alone took over 190 s on an H100)                  ~560 s
 #   cell-1.5b    tandem's side of the 1.5B cell (cell-1.5b-trl: TRL's, in its own call)      ~560 s
 #   cell-7b      tandem's side at 7B: bf16 parameters and AdamW state, to fit 80 GB, rounded
-#                stochastically (policy.optimizer.bf16_stochastic_round: torchao)            ~560 s
+#                stochastically (policy.optimizer.bf16_stochastic_round: torchao)            ~310 s
 #   cell-7b-fp32 tandem's side at 7B with fp32 master weights (122 GB of state: an H200)    ~560 s
+#   cell-...-512, cell-...-4096  any cell above with at most 512 / 4096 new tokens (mean a
+#                quarter of it) instead of 2048, e.g. cell-0.5b-4096, cell-0.5b-trl-512
 #   cell-tiny    the cells' path at a tiny shape (a check on a CPU: TRL_PYTHON, a Python with TRL)
 #   brief        where device time is short, one figure of each open question: the onload shapes
 #                of pinned_rate, the transformers generator's GPU tests, the 1.5B train phase
@@ -46,8 +48,14 @@ for part in "$@"; do
     case $part in
         offload | lora-refit | lora-phases | lora-trl | tests | decode | train-mfu | brief) ;;
         train-spread) ;;
-        cell-0.5b | cell-0.5b-trl | cell-1.5b | cell-1.5b-trl | cell-7b | cell-7b-fp32) ;;
-        cell-tiny) ;;
+        cell-*)
+            base=$part
+            case $part in *-512 | *-4096) base=${part%-*} ;; esac
+            case $base in
+                cell-0.5b | cell-0.5b-trl | cell-1.5b | cell-1.5b-trl | cell-7b | cell-7b-fp32) ;;
+                cell-tiny) ;;
+                *) usage ;;
+            esac ;;
         *) usage ;;
     esac
 done
@@ -119,7 +127,10 @@ for part in "$@"; do
                 --length 2048 --steps 2 --settings fsdp_mp_ac_compile fsdp_mp_ac \
                 --micro-batch-size 8 --max-tokens-per-micro-batch 16384 ;;
         cell-*)
-            cell=${part#cell-}
+            cell=${part#cell-} tokens=()
+            case $cell in
+                *-512 | *-4096) tokens=(--max-tokens "${cell##*-}") cell=${cell%-*} ;;
+            esac
             case $cell in
                 0.5b | 1.5b) sides=(--sides tandem) ;;
                 0.5b-trl | 1.5b-trl) cell=${cell%-trl} sides=(--sides trl) ;;
@@ -136,6 +147,6 @@ for part in "$@"; do
                 run "$part" 60 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
             fi
             run "$part" 530 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh "$cell" \
-                --budget-s 500 "${sides[@]}" ;;
+                --budget-s 500 "${sides[@]}" "${tokens[@]}" ;;
     esac
 done
