@@ -64,6 +64,13 @@ class EchoWorker:
                 "allocated by PyTorch"
             )
 
+    def misconfigured(self, only_rank: int) -> None:
+        """Raises what tandem raises for a setting that cannot work (``ConfigError``)."""
+        if only_rank == self.rank:
+            from tandem.config.load import ConfigError
+
+            raise ConfigError("policy: the trainer's state does not fit its GPU: ...")
+
     def exit(self, only_rank: int) -> None:
         """The process dies mid-call, as on a segfault or the OOM killer."""
         if only_rank == self.rank:

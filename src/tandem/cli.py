@@ -218,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return status
     except WorkerError as err:
         print(f"tandem {args.command}: error: {err}", file=sys.stderr)
-        return 1
+        return 2 if err.from_setting else 1
     except USER_ERRORS as err:
         print(f"tandem {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -94,6 +94,24 @@ def test_running_out_of_device_memory_names_the_settings_not_the_traceback(
             group.shutdown()
 
 
+def test_a_setting_that_cannot_work_is_one_message(ray_cluster: None) -> None:
+    group = _group(2)
+    try:
+        with pytest.raises(WorkerError) as err:
+            group.run("misconfigured", 1)
+        message = str(err.value)
+        assert message == (
+            "trainer worker rank 1 failed in misconfigured(): policy: the trainer's state does "
+            "not fit its GPU: ..."
+        )
+        assert err.value.from_setting
+        with pytest.raises(WorkerError) as bug:
+            group.run("fail", "boom", only_rank=0)
+        assert not bug.value.from_setting
+    finally:
+        group.shutdown()
+
+
 def test_dead_actor_raises_worker_error(ray_cluster: None) -> None:
     # The process exits inside the call (deterministic, unlike ray.kill, whose kill request can
     # reach the actor after a task submitted behind it has already run).

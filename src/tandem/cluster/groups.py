@@ -15,6 +15,8 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tandem.config.load import ConfigError
+
 
 class WorkerError(RuntimeError):
     """A worker actor died, or one of its methods raised."""
@@ -22,6 +24,13 @@ class WorkerError(RuntimeError):
     def __init__(self, kind: str, rank: int, method: str, message: str):
         self.kind, self.rank, self.method = kind, rank, method
         super().__init__(f"{kind} worker rank {rank} failed in {method}(): {message}")
+
+    @property
+    def from_setting(self) -> bool:
+        """Whether the worker raised ``ConfigError``: a setting that cannot work, the user's to
+        change (``raise ... from`` the worker's exception, or from Ray's error carrying it)."""
+        cause = self.__cause__
+        return isinstance(getattr(cause, "cause", None) or cause, ConfigError)
 
 
 OUT_OF_MEMORY_FIX = {
@@ -44,6 +53,8 @@ def failure_message(kind: str, cause: BaseException, remote: str | None = None) 
     traceback, kept for a failure nobody can fix from the config). Running out of device or
     host memory is a setting's doing: its message says what the worker tried to allocate and
     which settings to change, without the traceback."""
+    if isinstance(cause, ConfigError):  # a setting's doing, and its message names it
+        return str(cause)
     detail = f"{type(cause).__name__}: {cause}"
     fix = OUT_OF_MEMORY_FIX.get(kind, "give it less work at once")
     torch = sys.modules.get("torch")

@@ -34,6 +34,7 @@ from tandem.data.packing import (
 from tandem.tensors.copies import pack_parameters
 from tandem.tensors.devices import DTYPES, default_device
 from tandem.trainer import lora
+from tandem.trainer.fits import check_state_fits
 from tandem.trainer.logprobs import LogprobModel, right_padded
 from tandem.trainer.offload import HostPool, move_state, offload_bytes
 from tandem.trainer.parallelize import (
@@ -176,6 +177,7 @@ class PolicyTrainer:
         )
         if not trainable:
             self.lm.requires_grad_(False)
+        check_state_fits(self.lm, config, world_size if self.uses_fsdp else 1, self.device)
         if config.compile:
             compile_layers(self.lm)
         if config.activation_checkpointing:

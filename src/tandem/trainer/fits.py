@@ -1,0 +1,87 @@
+"""Whether a trainer's state fits its GPU, known before it moves there.
+
+The state a trainer keeps on its device through a step is its shard of the weights and, for
+what trains, of the gradients and AdamW's two moments, all in the weights' dtype: 16 bytes a
+trained parameter with fp32 master weights, 8 in bf16. No micro-batch setting changes that, so
+a state larger than the device is refused with the settings that do change it, instead of an
+out-of-memory error after the model has loaded and a first generation has run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from tandem.config.load import ConfigError
+from tandem.config.models import PolicyConfig
+
+TRAINED_COPIES = 4
+"""A trained parameter's copies on the device during a step: itself, its gradient, AdamW's
+two moments (``torch.optim.AdamW`` and torchao's keep them in the parameter's dtype)."""
+
+
+def state_bytes(parameters: Iterable[torch.nn.Parameter], world_size: int) -> tuple[int, int, int]:
+    """(bytes on each rank's device, parameters, trained parameters): ``parameters`` as
+    ``Module.parameters()`` gives them (a tied weight once); FSDP2 shards all of it over
+    ``world_size`` ranks."""
+    total = count = trained = 0
+    for param in parameters:
+        copies = TRAINED_COPIES if param.requires_grad else 1
+        total += param.numel() * param.element_size() * copies
+        count += param.numel()
+        trained += param.numel() if param.requires_grad else 0
+    return -(-total // world_size), count, trained
+
+
+def state_fit_problem(
+    config: PolicyConfig,
+    need: int,
+    count: int,
+    trained: int,
+    world_size: int,
+    have: int,
+    device_name: str,
+) -> str | None:
+    """What to change where ``need`` bytes on each rank exceed the device's ``have``; None where
+    they fit (activations, the generator's turn and the CUDA context still need room)."""
+    if need <= have:
+        return None
+    fixes = [
+        f"train on more GPUs (cluster.num_trainers={world_size * 2} halves each one's share)",
+        "keep the state on the host (policy.cpu_offload=true)",
+    ]
+    if config.lora is None:
+        fixes.append("train low-rank adapters instead of every weight (policy.lora)")
+    if config.dtype == "float32" and trained:
+        fixes.append(
+            "keep the weights and AdamW's state in bf16, rounded stochastically, half the bytes "
+            "(policy.dtype=bfloat16 policy.mixed_precision=false "
+            "policy.optimizer.bf16_stochastic_round=true)"
+        )
+    what = f"{count / 1e9:.2f} B parameters in {config.dtype}"
+    if trained:
+        what += f", {trained / 1e9:.2f} B of them trained (with gradients and AdamW's moments)"
+    share = f", sharded over {world_size} trainers," if world_size > 1 else ""
+    return (
+        f"policy: the trainer's state does not fit its GPU: {what}{share} take "
+        f"{need / 1e9:.1f} GB of {'each' if world_size > 1 else 'the'} {device_name}'s "
+        f"{have / 1e9:.1f} GB. "
+        f"To fit it: {'; or '.join(fixes)}"
+    )
+
+
+def check_state_fits(
+    module: torch.nn.Module, config: PolicyConfig, world_size: int, device: torch.device
+) -> None:
+    """Raise ``ConfigError`` where ``module``'s state (as it will train: ``requires_grad`` set)
+    cannot fit ``device``. Nothing to check off CUDA or with ``policy.cpu_offload``."""
+    if device.type != "cuda" or config.cpu_offload:
+        return
+    need, count, trained = state_bytes(module.parameters(), world_size)
+    properties = torch.cuda.get_device_properties(device)
+    problem = state_fit_problem(
+        config, need, count, trained, world_size, properties.total_memory, properties.name
+    )
+    if problem is not None:
+        raise ConfigError(problem)

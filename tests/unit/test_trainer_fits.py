@@ -1,0 +1,92 @@
+"""A trainer whose state cannot fit its GPU is refused with the settings that would fit it; the
+bytes are counted from the model as it will train (tied weights once, frozen weights without
+gradients or AdamW state, FSDP2's shards)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tandem.cluster.groups import LocalGroup, WorkerError
+from tandem.config import PolicyConfig
+from tandem.config.load import ConfigError
+from tandem.trainer.fits import check_state_fits, state_bytes, state_fit_problem
+
+H100 = 85_017_493_504  # bytes, as torch reports an H100 80GB HBM3
+H200 = 150_754_820_096
+QWEN25_7B = 7_615_616_512  # parameters
+
+
+def test_counts_trained_weights_four_times_and_tied_ones_once() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight  # tied: one parameter
+    frozen = nn.Linear(4, 3).requires_grad_(False)  # 15 fp32 parameters, no optimizer state
+    params = [*model.parameters(), *frozen.parameters()]
+    need, count, trained = state_bytes(params, world_size=1)
+    assert (count, trained) == (55, 40)
+    assert need == 40 * 4 * 4 + 15 * 4
+    assert state_bytes(params, world_size=4)[0] == -(-need // 4)  # each rank's shard
+    half = [p.detach().to(torch.bfloat16).requires_grad_() for p in model.parameters()]
+    assert state_bytes(half, world_size=1)[0] == 40 * 2 * 4
+
+
+def fits(config: PolicyConfig, params: int, world: int, have: int) -> str | None:
+    bytes_each = 2 if config.dtype == "bfloat16" else 4
+    need = -(-params * bytes_each * 4 // world)
+    return state_fit_problem(config, need, params, params, world, have, "NVIDIA H100 80GB HBM3")
+
+
+def test_7b_in_fp32_is_refused_on_80_gb_with_the_settings_that_fit_it() -> None:
+    problem = fits(PolicyConfig(), QWEN25_7B, 1, H100)
+    assert problem is not None
+    assert "7.62 B parameters in float32" in problem and "121.8 GB" in problem
+    assert "85.0 GB" in problem
+    for setting in (
+        "cluster.num_trainers=2",
+        "policy.cpu_offload=true",
+        "policy.lora",
+        "policy.optimizer.bf16_stochastic_round=true",
+    ):
+        assert setting in problem
+    # and each way it names does fit: bf16 state, two trainers
+    assert fits(PolicyConfig(dtype="bfloat16", mixed_precision=False), QWEN25_7B, 1, H100) is None
+    assert fits(PolicyConfig(), QWEN25_7B, 2, H100) is None
+    assert fits(PolicyConfig(), QWEN25_7B, 1, H200) is None  # 141 GB: the state fits
+
+
+def test_bf16_state_that_still_does_not_fit_offers_no_bf16() -> None:
+    config = PolicyConfig(dtype="bfloat16", mixed_precision=False)
+    problem = fits(config, 14_770_000_000, 1, H100)  # 14B in bf16: 118 GB
+    assert problem is not None and "bf16_stochastic_round" not in problem
+    assert "cluster.num_trainers=2" in problem
+
+
+class StartsTrainer:
+    """A worker whose start is the trainer's check on a GPU of ``have`` bytes."""
+
+    def __init__(self, have: int):
+        self.have = have
+
+    def start(self) -> None:
+        problem = fits(PolicyConfig(), QWEN25_7B, 1, self.have)
+        if problem is not None:
+            raise ConfigError(problem)
+
+
+def test_worker_failure_says_it_in_one_message() -> None:
+    group = LocalGroup([StartsTrainer(H100)], "trainer")
+    with pytest.raises(WorkerError) as err:
+        group.run("start")
+    message = str(err.value)
+    assert message.startswith("trainer worker rank 0 failed in start(): policy: the trainer's")
+    assert "ConfigError" not in message and "Traceback" not in message
+    assert err.value.from_setting  # the CLI's exit status 2: a user's mistake
+    assert LocalGroup([StartsTrainer(H200)], "trainer").run("start") == [None]
+
+
+def test_nothing_to_check_off_cuda() -> None:
+    model = nn.Linear(1000, 1000)
+    check_state_fits(model, PolicyConfig(), 1, torch.device("cpu"))  # no GPU: no bound
+    need, _, _ = state_bytes(model.parameters(), 1)
+    assert need == (1000 * 1000 + 1000) * 16
