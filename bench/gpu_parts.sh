@@ -35,7 +35,8 @@
 #                stochastically (policy.optimizer.bf16_stochastic_round: torchao)            ~310 s
 #   cell-7b-fp32 tandem's side at 7B with fp32 master weights (122 GB of state: an H200)    ~560 s
 #   cell-...-512, cell-...-4096  any cell above with at most 512 / 4096 new tokens (mean a
-#                quarter of it) instead of 2048, e.g. cell-0.5b-4096, cell-0.5b-trl-512
+#                quarter of it) instead of 2048, TRL's micro-batch 32 / 4 instead of 8 (the
+#                same tokens), e.g. cell-0.5b-4096, cell-0.5b-trl-512
 #   cell-tiny    the cells' path at a tiny shape (a check on a CPU: TRL_PYTHON, a Python with TRL)
 #   brief        where device time is short, one figure of each open question: the onload shapes
 #                of pinned_rate, the transformers generator's GPU tests, the 1.5B train phase
@@ -129,7 +130,9 @@ for part in "$@"; do
         cell-*)
             cell=${part#cell-} tokens=()
             case $cell in
-                *-512 | *-4096) tokens=(--max-tokens "${cell##*-}") cell=${cell%-*} ;;
+                *-512 | *-4096)  # TRL's micro-batch: the 16,384 tokens that fit at 2048
+                    tokens=(--max-tokens "${cell##*-}" --trl-micro-batch $((16384 / ${cell##*-})))
+                    cell=${cell%-*} ;;
             esac
             case $cell in
                 0.5b | 1.5b) sides=(--sides tandem) ;;
