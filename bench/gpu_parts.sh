@@ -28,6 +28,8 @@
 #                (bench/sdpa_shapes.py); the train phase at 1.5B with new random lengths every
 #                step, as in the loop, cuDNN attention first (the default) and flash first; the
 #                loss's extra memory at 16,384 tokens (bench/chunked_loss_memory.py)         ~300 s
+#   train-pack   the train phase at 1.5B with new random lengths every step (as train-spread):
+#                padded micro-batches, packed ones (policy.packing), compiled layers      ~250 s
 #   cell-0.5b    tandem's side of the real-scale cell 0.5B x 2048 (cell-0.5b-trl: TRL's, in its
 #                own call: its first step alone took over 190 s on an H100)                  ~560 s
 #   cell-1.5b    tandem's side of the 1.5B cell (cell-1.5b-trl: TRL's, in its own call)      ~560 s
@@ -48,7 +50,7 @@ usage() { sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2; 
 for part in "$@"; do
     case $part in
         offload | lora-refit | lora-phases | lora-trl | tests | decode | train-mfu | brief) ;;
-        train-spread) ;;
+        train-spread | train-pack) ;;
         cell-*)
             base=$part
             case $part in *-512 | *-4096) base=${part%-*} ;; esac
@@ -121,6 +123,10 @@ for part in "$@"; do
                     --micro-batch-size 64 --max-tokens-per-micro-batch 65536
             done
             run train-spread 60 python3 bench/chunked_loss_memory.py --tokens 16384 --hidden 1536 ;;
+        train-pack)
+            run train-pack 260 python3 bench/train_phase_profile.py --shape 1.5b --sequences 64 \
+                --length 2048 --steps 4 --spread --settings fsdp_mp_ac fsdp_mp_ac_pack \
+                fsdp_mp_ac_compile --micro-batch-size 64 --max-tokens-per-micro-batch 65536 ;;
         brief)
             run brief 90 python3 bench/pinned_rate.py
             run brief 90 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py

@@ -41,6 +41,7 @@ SETTINGS = {
     "bf16_plain_ac": dict(dtype="bfloat16", activation_checkpointing=True),
     "fsdp_mp_ac_compile": dict(mixed_precision=True, activation_checkpointing=True, compile=True),
     "fsdp_mp_compile": dict(mixed_precision=True, activation_checkpointing=False, compile=True),
+    "fsdp_mp_ac_pack": dict(mixed_precision=True, activation_checkpointing=True, packing=True),
 }
 
 SDPA = {
