@@ -560,3 +560,58 @@ def test_a_deep_sleep_drops_the_weights_until_a_refit_fills_them(
     assert [r.response_token_ids for r in gen.generate(ids, params)] == [
         r.response_token_ids for r in before
     ]
+
+
+def test_rows_decode_in_even_chunks_with_the_same_samples(
+    generator: HfGenerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows that do not fit one decode run in chunks as even as the bound allows (24 rows at
+    most 10 at a time: 8, 8, 8, not 10, 10, 4), and a sample is the same whichever chunk it
+    decodes in."""
+    ids = _prompt_ids(generator)
+    params = SamplingParams(temperature=1.0, max_tokens=8, n=8, seed=5)
+    whole = generator.generate(ids, params)
+    rows: list[int] = []
+
+    def record(_module: object, _args: object, kwargs: dict) -> None:
+        rows.append(kwargs["input_ids"].shape[0])
+
+    monkeypatch.setattr(generator, "max_batch_size", 10)
+    monkeypatch.setattr(hf_generator, "COMPACT_AT", 0.0)  # each chunk keeps its rows
+    hook = generator.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        chunked = generator.generate(ids, params)
+    finally:
+        hook.remove()
+    # three decodes of 8 rows, each one prompt's samples: its prompt prefilled once
+    assert set(rows) == {1, 8} and rows.count(1) == 3
+    assert [r.response_token_ids for r in chunked] == [r.response_token_ids for r in whole]
+    assert [r.prompt_index for r in chunked] == [r.prompt_index for r in whole]
+    for c, w in zip(chunked, whole, strict=True):
+        assert c.response_logprobs == pytest.approx(w.response_logprobs, abs=1e-5)
+
+
+def test_a_gpu_decode_takes_the_rows_its_free_memory_holds() -> None:
+    """The row bound of a GPU decode from the KV cache each row allocates, at Qwen2.5-7B's
+    shape (28 layers, 4 key/value heads of 128, bf16: 57,344 bytes a position)."""
+    from tandem.assets.real_shapes import real_config
+    from tandem.generation.hf_generator import DECODE_HEADROOM, decode_rows
+    from tandem.generation.kv_cache import kv_bytes_per_position, row_bytes
+
+    config = real_config("7b")
+    assert kv_bytes_per_position(config, torch.bfloat16) == 28 * 2 * 4 * 128 * 2
+    assert kv_bytes_per_position(real_config("0.5b"), torch.float32) == 24 * 2 * 2 * 64 * 4
+    each = row_bytes(config, torch.bfloat16, 64, 4096)
+    assert each > 57_344 * (64 + 4096)  # and its prefill and logits
+    free = 85_017_493_504 - 15_231_233_024  # an H100 80GB less the 7B weights
+    fit = (free - DECODE_HEADROOM) // (each * (1 + 1 / 28))
+    assert 256 < fit < 300
+    assert decode_rows(256, 256, each, 28, free) == 256  # the 4096-token 7B cell: one decode
+    assert decode_rows(512, 512, each, 28, free) == 256  # 64 prompts x 8: two of 256
+    assert decode_rows(300, 512, each, 28, free) == 150  # two even chunks, not 27x + rest
+    assert decode_rows(256, 256, each, 28, None) == 256  # a CPU: the batch bound alone
+    assert decode_rows(8, 256, each, 28, each // 2) == 0  # not one row: the caller refuses
+
+
+def test_no_prompts_generate_nothing(generator: HfGenerator) -> None:
+    assert generator.generate([], SamplingParams(max_tokens=4)) == []

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,16 +34,20 @@ import torch
 from torch import nn
 
 from tandem.adapters import is_adapter_name
+from tandem.config.load import ConfigError
 from tandem.data.images import RowImages, own_prompt
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
 from tandem.generation.hf_adapters import PeftAdapter
 from tandem.generation.hf_vision import ImagePrefill, load_generation_model, same_prefill
+from tandem.generation.kv_cache import row_bytes
 from tandem.generation.packed_linear import pack_linears
 from tandem.generation.static_decode import Decoder, StaticDecode
 from tandem.tensors import TargetRuns, device_copies
 from tandem.tensors.devices import DTYPES, release_device_caches
 from tandem.tensors.packed import PackedStream
 from tandem.tensors.storage_offload import StorageOffload
+
+log = logging.getLogger(__name__)
 
 COMPACT_AT = 0.75
 """The decode drops its stopped rows (their KV cache with them) once the rows still decoding
@@ -55,6 +60,26 @@ SAMPLE_BLOCK_CUDA = 1 << 26
 """``SAMPLE_BLOCK`` on a GPU (256 MiB: 441 rows of 151,936), where a loop over small blocks
 costs more in kernel launches than the fp32 copy saves (3.15 ms for 256 rows in blocks of 27
 on an H200, against 0.86 ms for softmax + multinomial over the whole batch)."""
+DECODE_HEADROOM = 1 << 30
+"""Device bytes a GPU decode keeps free besides its rows (``kv_cache.row_bytes`` each): the
+sampling block (``SAMPLE_BLOCK_CUDA``), the captured steps' memory pools, kernel workspaces.
+At 7B x 2048 tokens on an H100 the generator's process peaked under 1 GB above its weights
+and rows (docs/benchmarks/2026-12-07-h100-cells.md)."""
+
+
+def decode_rows(total: int, limit: int, each: int, layers: int, free: int | None) -> int:
+    """How many of ``total`` rows decode together: at most ``limit``, and where the device's
+    ``free`` bytes are known, as many as fit at ``each`` bytes a row beside
+    ``DECODE_HEADROOM`` and a compaction's copy of one layer's rows (``COMPACT_AT``); the
+    chunks as even as that allows (a last chunk of a few rows would decode as long as a full
+    one). 0 where not one row fits."""
+    fit = limit
+    if free is not None:
+        fit = min(limit, int((free - DECODE_HEADROOM) // (each * (1 + 1 / layers))))
+    if fit < 1:
+        return 0
+    chunks = -(-total // fit)
+    return -(-total // chunks)
 
 
 def _pick(tensor: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -268,9 +293,19 @@ class HfGenerator(Generator):
                 "or receive the weights (a refit) before generating"
             )
         rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(params.n)]
+        if not rows:
+            return []
+        width = max(len(p) for p in prompt_token_ids)
+        at_once = self.rows_at_once(len(rows), width, params.max_tokens)
+        if at_once < min(len(rows), self.max_batch_size):
+            log.info(
+                "hf generator: %d rows decode %d at a time (the device's free memory holds the "
+                "KV caches of that many rows of %d + %d positions)",
+                len(rows), at_once, width, params.max_tokens,
+            )  # fmt: skip
         rollouts: list[Rollout] = []
-        for start in range(0, len(rows), self.max_batch_size):
-            chunk = rows[start : start + self.max_batch_size]
+        for start in range(0, len(rows), at_once):
+            chunk = rows[start : start + at_once]
             prompts = [prompt_token_ids[i] for i, _ in chunk]
             seeds = [params.sample_seed(i, j) for i, j in chunk]
             for (i, _), sample in zip(
@@ -289,6 +324,28 @@ class HfGenerator(Generator):
                     )
                 )
         return rollouts
+
+    def rows_at_once(self, total: int, width: int, steps: int) -> int:
+        """``decode_rows`` for ``total`` rows of ``width`` prompt positions and ``steps`` new
+        tokens; on a GPU against the memory free now (the KV cache is allocated for the whole
+        decode at its start). Raises ``ConfigError`` where not one row fits."""
+        free = None
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0] + (
+                torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            )
+        config = self.model.config
+        each = row_bytes(config, self.model.dtype, width, steps)
+        layers = (getattr(config, "text_config", None) or config).num_hidden_layers
+        at_once = decode_rows(total, self.max_batch_size, each, layers, free)
+        if at_once == 0:
+            raise ConfigError(
+                f"generation: one row of a {width}-token prompt and generation.sampling."
+                f"max_tokens={steps} new tokens needs {each / 1e9:.2f} GB of the generator's GPU "
+                f"(its KV cache, prefill and logits); {(free or 0) / 1e9:.2f} GB are free: lower "
+                "generation.sampling.max_tokens or shorten the prompts"
+            )
+        return at_once
 
     @torch.inference_mode()
     def _generate_batch(

@@ -129,3 +129,24 @@ def windowed_cache(config: Any, capacity: int, window: CacheWindow) -> Cache | N
         return None
     layers: list[Any] = [WindowedLayer(capacity, window) for _ in range(config.num_hidden_layers)]
     return Cache(layers=layers)
+
+
+def kv_bytes_per_position(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one row's position takes in every layer of a model of ``config``
+    (a vision-language model's text config), in ``dtype``."""
+    text = getattr(config, "text_config", None) or config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return int(text.num_hidden_layers * 2 * heads * head_dim * dtype.itemsize)
+
+
+def row_bytes(config: Any, dtype: torch.dtype, width: int, steps: int) -> int:
+    """What each row of a decode of ``width`` prompt positions and ``steps`` new tokens holds on
+    the device at its peak: its KV cache for every position, its prefill's widest activations
+    (the MLP's up and gate projections and their product, over its prompt) and its logits with
+    their fp32 sampling copies."""
+    text = getattr(config, "text_config", None) or config
+    intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+    prefill = width * 3 * intermediate * dtype.itemsize
+    logits = text.vocab_size * (dtype.itemsize + 8)
+    return kv_bytes_per_position(config, dtype) * (width + steps) + prefill + logits
