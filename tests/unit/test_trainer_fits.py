@@ -90,3 +90,33 @@ def test_nothing_to_check_off_cuda() -> None:
     check_state_fits(model, PolicyConfig(), 1, torch.device("cpu"))  # no GPU: no bound
     need, _, _ = state_bytes(model.parameters(), 1)
     assert need == (1000 * 1000 + 1000) * 16
+
+
+def test_an_offload_larger_than_the_host_is_refused_naming_what_fits_it() -> None:
+    """7B with fp32 weights on the 141 GB card: 122 GB of state to page-lock on a host with
+    ~120 GB available."""
+    from tandem.trainer.fits import host_fit_problem
+
+    need = QWEN25_7B * 16
+    problem = host_fit_problem(need, 120_000_000_000, 1)
+    assert problem is not None
+    assert "121.8 GB of page-locked host memory" in problem and "120.0 GB available" in problem
+    assert "cluster.memory_phases=false" in problem and "bf16_stochastic_round" in problem
+    assert host_fit_problem(QWEN25_7B * 6, 120_000_000_000, 1) is None  # bf16 state: 46 GB
+    # two trainer ranks of one host each pin their share
+    two = host_fit_problem(QWEN25_7B * 8, 120_000_000_000, 2)
+    assert two is not None and "each of this host's 2 trainer ranks" in two
+
+
+def test_the_offload_check_reads_this_hosts_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
+    from tandem.trainer.fits import check_offload_fits
+
+    available = psutil.virtual_memory().available
+    check_offload_fits(1 << 20)  # a MiB fits any host
+    with pytest.raises(ConfigError, match=r"cluster\.memory_phases=false"):
+        check_offload_fits(4 * available)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match="each of this host's 8 trainer ranks"):
+        check_offload_fits(available // 4)  # a quarter each, eight of them

@@ -166,6 +166,7 @@ class WorkerGroup:
                 "RANK": str(rank),
                 "WORLD_SIZE": str(self.num_workers),
                 "LOCAL_RANK": str(node_ids[:rank].count(node_ids[rank])),
+                "LOCAL_WORLD_SIZE": str(node_ids.count(node_ids[rank])),
             }
             ip = LOOPBACK if single_node else node_ip(node_ids[rank])
             dist = {"rank": rank, "world_size": self.num_workers, "node_ip": ip}

@@ -4,7 +4,8 @@ The state a trainer keeps on its device through a step is its shard of the weigh
 what trains, of the gradients and AdamW's two moments, all in the weights' dtype: 16 bytes a
 trained parameter with fp32 master weights, 8 in bf16. No micro-batch setting changes that, so
 a state larger than the device is refused with the settings that do change it, instead of an
-out-of-memory error after the model has loaded and a first generation has run.
+out-of-memory error after the model has loaded and a first generation has run. Likewise the
+host memory a colocated trainer's offloads page-lock (``check_offload_fits``).
 """
 
 from __future__ import annotations
@@ -83,5 +84,35 @@ def check_state_fits(
     problem = state_fit_problem(
         config, need, count, trained, world_size, properties.total_memory, properties.name
     )
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def host_fit_problem(need: int, available: int, local_ranks: int) -> str | None:
+    """What to change where an offload of ``need`` bytes on each of ``local_ranks`` trainer
+    ranks of a host exceeds the host memory ``available``; None where it fits."""
+    if need * local_ranks <= available:
+        return None
+    ranks = f" on each of this host's {local_ranks} trainer ranks" if local_ranks > 1 else ""
+    return (
+        f"cluster.memory_phases: the trainer's offload needs {need / 1e9:.1f} GB of page-locked "
+        f"host memory{ranks} (its weights and AdamW's state leave the GPU while the generator "
+        f"works), and the host has {available / 1e9:.1f} GB available. To fit it: keep the "
+        "trainer on the GPU through generation (cluster.memory_phases=false, where one GPU "
+        "holds both); or shrink the state (policy.dtype=bfloat16 policy.mixed_precision=false "
+        "policy.optimizer.bf16_stochastic_round=true, or policy.lora); or free host memory"
+    )
+
+
+def check_offload_fits(num_bytes: int) -> None:
+    """Raise ``ConfigError`` where this host cannot page-lock ``num_bytes`` for each of its
+    trainer ranks (``LOCAL_WORLD_SIZE``, set by the Ray runtime) now: pinning it would fail
+    or bring the kernel's out-of-memory killer, minutes into the run."""
+    import os
+
+    import psutil
+
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    problem = host_fit_problem(num_bytes, psutil.virtual_memory().available, local_ranks)
     if problem is not None:
         raise ConfigError(problem)

@@ -34,7 +34,7 @@ from tandem.data.packing import (
 from tandem.tensors.copies import pack_parameters
 from tandem.tensors.devices import DTYPES, default_device
 from tandem.trainer import lora
-from tandem.trainer.fits import check_state_fits
+from tandem.trainer.fits import check_offload_fits, check_state_fits
 from tandem.trainer.logprobs import LogprobModel, right_padded
 from tandem.trainer.offload import HostPool, move_state, offload_bytes
 from tandem.trainer.parallelize import (
@@ -543,10 +543,10 @@ class PolicyTrainer:
         so the first offload runs at pinned bandwidth. A no-op without CUDA or when called
         again."""
         if self._host_pool is None and self.device.type == "cuda" and not self.config.cpu_offload:
+            num_bytes = offload_bytes(self.model, self.optimizer, self._offloads_adapters_only)
+            check_offload_fits(num_bytes)
             self._host_pool = HostPool()
-            self._host_pool.start(
-                offload_bytes(self.model, self.optimizer, self._offloads_adapters_only)
-            )
+            self._host_pool.start(num_bytes)
 
     @property
     def _offloads_adapters_only(self) -> bool:
