@@ -148,8 +148,11 @@ for part in "$@"; do
                 7b) sides=(--sides tandem --micro-batch-size 16 --max-tokens-per-micro-batch 16384
                            --set policy.mixed_precision=false --set policy.dtype=bfloat16
                            --set policy.optimizer.bf16_stochastic_round=true) ;;
+                # 7B fp32: its 122 GB of state cannot be page-locked on a 128 GB host; the
+                # offload moves AdamW's 61 GB, the weights stay (policy.offload_weights)
                 7b-fp32) cell=7b sides=(--sides tandem --micro-batch-size 16
-                                        --max-tokens-per-micro-batch 16384) ;;
+                                        --max-tokens-per-micro-batch 16384
+                                        --set policy.offload_weights=false) ;;
                 *) sides=() ;;
             esac
             if [ "$cell" != tiny ] && [ "${sides[1]:-}" != trl ]; then  # the sleep it runs on

@@ -238,6 +238,49 @@ def test_lora_offload_moves_the_base_or_keeps_it(
     free_device()
 
 
+@pytest.mark.parametrize("setup", ["plain", "fsdp"])
+def test_an_offload_of_the_optimizer_state_alone_keeps_the_weights(
+    model_dir: Path, setup: str
+) -> None:
+    """``policy.offload_weights=false``: the offload moves AdamW's state (into a pool of its
+    size) and leaves the weights and buffers, no more, on the device; after the onload the
+    trainer trains as one never offloaded."""
+    before, _ = baseline()
+    optimizer = OptimizerConfig(lr=1e-3, eps=1e-6)
+    config = PolicyConfig(model_path=model_dir, optimizer=optimizer, **SETUPS[setup])
+    trainer = PolicyTrainer(config.model_copy(update={"offload_weights": False}), device="cuda:0")
+    first, second = make_batch(1), make_batch(2)
+    loss_1 = trainer.train(first, nll_loss)["loss"]
+    weights = [local(p) for p in trainer.model.parameters()]
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights)
+    weight_bytes += sum(local(b).numel() * local(b).element_size() for b in trainer.model.buffers())
+    trainer.pin_offload_memory()
+
+    trainer.offload()
+    torch.cuda.synchronize()
+    assert all(local(s).device.type == "cpu" for s in state_tensors(trainer))
+    assert all(local(p).device.type == "cuda" for p in trainer.model.parameters())
+    kept = torch.cuda.memory_allocated() - before
+    assert weight_bytes * 0.99 <= kept <= weight_bytes + 512 * len(weights), live_blocks()
+    pool = trainer._host_pool
+    assert pool is not None and pool._buffer is not None
+    assert pool._buffer.numel() == offload_bytes(trainer.model, trainer.optimizer, weights=False)
+    trainer.onload()
+    assert all(local(s).device.type == "cuda" for s in state_tensors(trainer))
+    loss_2 = trainer.train(second, nll_loss)["loss"]
+    after = {name: t.detach().cpu().clone() for name, t in trainer.iter_weights()}
+    del trainer, weights, pool
+    free_device()
+
+    straight = PolicyTrainer(config, device="cuda:0")
+    assert loss_1 == pytest.approx(straight.train(first, nll_loss)["loss"], rel=1e-5)
+    assert loss_2 == pytest.approx(straight.train(second, nll_loss)["loss"], rel=1e-5)
+    for name, tensor in straight.iter_weights():
+        torch.testing.assert_close(after[name], tensor.cpu(), msg=name)
+    del straight
+    free_device()
+
+
 def test_exact_size_pinned_memory_is_page_locked_and_copies_both_ways() -> None:
     """``tensors.pinned.pinned_bytes``: the bytes asked (torch's pinned allocator would round
     3 MiB + 5 up to 4 MiB), page-locked, non-blocking copies to the device and back exact."""

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_trainer_support import make_batch, policy, token_nll, write_tiny_qwen2
+from torch import nn
 
 from tandem.trainer import PolicyTrainer
 from tandem.trainer.offload import move_state
@@ -67,3 +68,56 @@ def test_offload_and_onload_between_steps_change_nothing(model_dir: Path) -> Non
     assert cycled.lm.model.layers[0].self_attn.q_proj.weight is weight
     for (name, x), (_, y) in zip(straight.iter_weights(), cycled.iter_weights(), strict=True):
         assert torch.equal(x, y), name
+
+
+def test_an_offload_of_the_optimizer_state_alone_leaves_the_weights(model_dir: Path) -> None:
+    """``policy.offload_weights=false``: the AdamW moments (and a fused step counter) move, the
+    weights, gradients and buffers stay; the pool is sized for the moments alone, and offload /
+    onload between steps change nothing."""
+    from tandem.trainer.offload import HostPool, offload_bytes
+
+    trainer = PolicyTrainer(policy(model_dir, offload_weights=False))
+    before = offload_bytes(trainer.model, trainer.optimizer, weights=False)
+    trained = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    assert (
+        trained * 2
+        <= before
+        <= trained * 2 + 3 * HostPool.ALIGN * len(list(trainer.model.parameters()))
+    )  # the two moments, before the first step created them
+    trainer.train(make_batch(), token_nll)
+    assert offload_bytes(trainer.model, trainer.optimizer, weights=False) < offload_bytes(
+        trainer.model, trainer.optimizer
+    )
+    optimizer = trainer.optimizer
+    assert optimizer is not None
+    weight = trainer.lm.model.layers[0].self_attn.q_proj.weight
+    moments = optimizer.state[weight]["exp_avg"], optimizer.state[weight]["exp_avg_sq"]
+
+    # the weights on the meta device (the stand-in for a GPU) and their moments on the host,
+    # as after such an offload: the onload brings the moments beside them, nothing else moves
+    buffers = list(trainer.model.buffers())
+    for param in trainer.model.parameters():
+        torch.utils.swap_tensors(param, nn.Parameter(torch.empty_like(param, device="meta")))
+    move_state(trainer.model, optimizer, torch.device("meta"), weights=False)
+    assert all(m.is_meta for m in moments) and optimizer.state[weight]["exp_avg"] is moments[0]
+    assert not any(b.is_meta for b in buffers)  # left where they were
+
+    straight = PolicyTrainer(policy(model_dir))
+    cycled = PolicyTrainer(policy(model_dir, offload_weights=False))
+    for seed in range(2):
+        cycled.offload()
+        cycled.onload()
+        assert straight.train(make_batch(seed), token_nll) == cycled.train(
+            make_batch(seed), token_nll
+        )
+
+
+def test_offload_weights_false_needs_a_full_fsdp2_policy(model_dir: Path) -> None:
+    from tandem.config.lora import LoraConfig
+
+    with pytest.raises(ValueError, match=r"policy\.lora\.offload_base=false"):
+        policy(model_dir, offload_weights=False, lora=LoraConfig(rank=4, alpha=8))
+    with pytest.raises(ValueError, match=r"policy\.cpu_offload"):
+        policy(model_dir, offload_weights=False, cpu_offload=True)
+    with pytest.raises(ValueError, match=r"policy\.offload_weights=false \(an FSDP2 policy\)"):
+        policy(model_dir, offload_weights=False, backend="megatron")

@@ -102,6 +102,8 @@ def test_an_offload_larger_than_the_host_is_refused_naming_what_fits_it() -> Non
     assert problem is not None
     assert "121.8 GB of page-locked host memory" in problem and "120.0 GB available" in problem
     assert "cluster.memory_phases=false" in problem and "bf16_stochastic_round" in problem
+    assert "policy.offload_weights=false" in problem
+    assert host_fit_problem(QWEN25_7B * 8, 120_000_000_000, 1) is None  # the AdamW state alone
     assert host_fit_problem(QWEN25_7B * 6, 120_000_000_000, 1) is None  # bf16 state: 46 GB
     # two trainer ranks of one host each pin their share
     two = host_fit_problem(QWEN25_7B * 8, 120_000_000_000, 2)

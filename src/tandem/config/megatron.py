@@ -93,6 +93,7 @@ def check_megatron_policy(policy: Any) -> None:
     refused = [
         (policy.lora is not None, "policy.lora (LoRA trains on policy.backend=fsdp2)"),
         (policy.cpu_offload, "policy.cpu_offload=true (an FSDP2 policy)"),
+        (not policy.offload_weights, "policy.offload_weights=false (an FSDP2 policy)"),
         (policy.compile, "policy.compile=true (the FSDP2 trainer's decoder layers)"),
         (policy.packing, "policy.packing=true (the Megatron trainer takes padded batches)"),
         (

@@ -101,6 +101,13 @@ class PolicyConfig(Section):
     """Recompute each decoder layer's activations in backward (saves memory)."""
     cpu_offload: bool = False
     """FSDP2 CPUOffloadPolicy: keep sharded parameters and optimizer state on the host."""
+    offload_weights: bool = True
+    """Colocated memory phases: whether the trainer's offload, while the generator works, moves
+    its weights too (0 B stay on the device) or the optimizer state alone (false: the weights
+    stay, as ``policy.lora.offload_base=false`` keeps a LoRA base). False page-locks fewer
+    host bytes and moves them faster, and leaves the generator less device memory: for a
+    state the host cannot hold, e.g. 7B with fp32 weights (122 GB) on a 141 GB GPU whose
+    host has 128 GB."""
     compile: bool = False
     """``torch.compile`` each decoder layer (Inductor; one graph for every layer and sequence
     length, built in the first step). Fewer, fused kernels: on an H100 at the 1.5B shape the
@@ -154,6 +161,12 @@ class PolicyConfig(Section):
     @model_validator(mode="after")
     def _backend_settings(self) -> PolicyConfig:
         check_megatron_policy(self)
+        if not self.offload_weights and (self.lora is not None or self.cpu_offload):
+            raise ValueError(
+                "policy.offload_weights=false keeps a full policy's weights on the GPU: with "
+                "policy.lora use policy.lora.offload_base=false, and with policy.cpu_offload "
+                "the weights live on the host already"
+            )
         if self.optimizer.bf16_stochastic_round and (
             self.dtype != "bfloat16" or self.mixed_precision
         ):

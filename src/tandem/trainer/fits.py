@@ -97,10 +97,12 @@ def host_fit_problem(need: int, available: int, local_ranks: int) -> str | None:
     return (
         f"cluster.memory_phases: the trainer's offload needs {need / 1e9:.1f} GB of page-locked "
         f"host memory{ranks} (its weights and AdamW's state leave the GPU while the generator "
-        f"works), and the host has {available / 1e9:.1f} GB available. To fit it: keep the "
-        "trainer on the GPU through generation (cluster.memory_phases=false, where one GPU "
-        "holds both); or shrink the state (policy.dtype=bfloat16 policy.mixed_precision=false "
-        "policy.optimizer.bf16_stochastic_round=true, or policy.lora); or free host memory"
+        f"works), and the host has {available / 1e9:.1f} GB available. To fit it: offload the "
+        "optimizer state alone and keep the weights on the GPU (policy.offload_weights=false); "
+        "or keep the whole trainer there through generation (cluster.memory_phases=false, "
+        "where one GPU holds both); or shrink the state (policy.dtype=bfloat16 "
+        "policy.mixed_precision=false policy.optimizer.bf16_stochastic_round=true, or "
+        "policy.lora); or free host memory"
     )
 
 

@@ -273,6 +273,7 @@ def move_state(
     pool: HostPool | None = None,
     trainable_only: bool = False,
     first: Sequence[torch.Tensor] = (),
+    weights: bool = True,
 ) -> None:
     """Module and optimizer state to ``device``; returns once every copy has landed. Moving to
     the host also hands cached device memory back (``release_device_caches``); its host
@@ -281,7 +282,8 @@ def move_state(
     ``include_parameters=False`` moves just the buffers (FSDP2 CPU offload keeps parameters,
     gradients and optimizer state on the host already). ``trainable_only`` moves the
     parameters that require gradients, their gradients and the optimizer state, and leaves the
-    frozen parameters and the buffers (``policy.lora.offload_base=false``). ``first``: as
+    frozen parameters and the buffers (``policy.lora.offload_base=false``). ``weights=False``
+    moves the optimizer state alone (``policy.offload_weights=false``). ``first``: as
     ``move_module``'s."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -292,7 +294,8 @@ def move_state(
     else:
         if device.type == "cuda":
             reserve_segment(device, _host_bytes(module, optimizer))
-        move_module(module, device, pool, trainable_only, first)
+        if weights:
+            move_module(module, device, pool, trainable_only, first)
         if optimizer is not None:
             move_optimizer(optimizer, device, pool)
     if torch.cuda.is_available():
@@ -302,14 +305,17 @@ def move_state(
 
 
 def offload_bytes(
-    module: nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool = False
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainable_only: bool = False,
+    weights: bool = True,
 ) -> int:
     """What an offload of ``module`` and ``optimizer`` will move to the host, before the first
     optimizer step too: parameters, buffers and (Adam's two moments per parameter, when the
-    state does not exist yet) the optimizer state, with alignment slack. ``trainable_only``:
-    as ``move_state``'s (no frozen parameters, no buffers)."""
-    params = [_local(p) for p in _parameters(module, trainable_only)]
-    buffers = [] if trainable_only else [_local(b) for b in module.buffers()]
+    state does not exist yet) the optimizer state, with alignment slack. ``trainable_only``,
+    ``weights``: as ``move_state``'s (no frozen parameters, no buffers; no parameters)."""
+    params = [_local(p) for p in _parameters(module, trainable_only)] if weights else []
+    buffers = [] if trainable_only or not weights else [_local(b) for b in module.buffers()]
     total = sum(t.numel() * t.element_size() for t in [*params, *buffers])
     if optimizer is not None:
         states = [_local(v) for v, _, beside in _optimizer_tensors(optimizer) if beside]

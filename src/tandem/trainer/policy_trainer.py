@@ -543,7 +543,8 @@ class PolicyTrainer:
         so the first offload runs at pinned bandwidth. A no-op without CUDA or when called
         again."""
         if self._host_pool is None and self.device.type == "cuda" and not self.config.cpu_offload:
-            num_bytes = offload_bytes(self.model, self.optimizer, self._offloads_adapters_only)
+            adapters, weights = self._offloads_adapters_only, self.config.offload_weights
+            num_bytes = offload_bytes(self.model, self.optimizer, adapters, weights)
             check_offload_fits(num_bytes)
             self._host_pool = HostPool()
             self._host_pool.start(num_bytes)
@@ -558,11 +559,20 @@ class PolicyTrainer:
         tensor objects stay referenced everywhere. With ``cpu_offload`` only buffers move (the
         sharded parameters and the optimizer state live on the host already); with
         ``policy.lora.offload_base=false`` the adapters, their gradients and the optimizer
-        state alone (the frozen base stays)."""
+        state alone (the frozen base stays); with ``policy.offload_weights=false`` the
+        optimizer state alone."""
         host = torch.device("cpu")
         include = not self.config.cpu_offload
         adapters = self._offloads_adapters_only
-        move_state(self.model, self.optimizer, host, include, self._host_pool, adapters)
+        move_state(
+            self.model,
+            self.optimizer,
+            host,
+            include,
+            self._host_pool,
+            adapters,
+            weights=self.config.offload_weights,
+        )
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         self.resident = False
@@ -576,5 +586,6 @@ class PolicyTrainer:
             include_parameters=not self.config.cpu_offload,
             trainable_only=self._offloads_adapters_only,
             first=self.adapters.params if self.adapters is not None else (),
+            weights=self.config.offload_weights,
         )
         self.resident = True
