@@ -314,9 +314,10 @@ def offload_bytes(
     optimizer step too: parameters, buffers and (Adam's two moments per parameter, when the
     state does not exist yet) the optimizer state, with alignment slack. ``trainable_only``,
     ``weights``: as ``move_state``'s (no frozen parameters, no buffers; no parameters)."""
-    params = [_local(p) for p in _parameters(module, trainable_only)] if weights else []
+    params = [_local(p) for p in _parameters(module, trainable_only)]
     buffers = [] if trainable_only or not weights else [_local(b) for b in module.buffers()]
-    total = sum(t.numel() * t.element_size() for t in [*params, *buffers])
+    moved = [*params, *buffers] if weights else []
+    total = sum(t.numel() * t.element_size() for t in moved)
     if optimizer is not None:
         states = [_local(v) for v, _, beside in _optimizer_tensors(optimizer) if beside]
         if states:
@@ -324,5 +325,5 @@ def offload_bytes(
         else:
             trainable = [_local(p) for p in _parameters(module) if p.requires_grad]
             total += 2 * sum(t.numel() * t.element_size() for t in trainable)
-    count = len(params) * 3 + len(buffers)
+    count = len(params) * 3 + len(buffers)  # each parameter and its moments, aligned
     return total + count * HostPool.ALIGN
