@@ -245,6 +245,7 @@ RESUMABLE = (
     "logging.",
     "checkpoint.",
     "cluster.",
+    "policy.offload_weights",
     "generation.backend",
     "generation.tensor_parallel_size",
     "generation.kv_cache_bytes",

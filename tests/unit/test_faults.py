@@ -505,6 +505,7 @@ def test_resume_accepts_keys_that_may_change(tmp_path: Path) -> None:
         "data.reward_timeout_s=5",
         "refit.timeout_s=10",
         "cluster.call_timeout_s=100",
+        "policy.offload_weights=false",  # where the state waits, not what it trains
     )
     check_run_dir(config, "grpo", resume=True)
 
