@@ -70,6 +70,13 @@ PER_STEP = (
     "memory/trainer_peak_refit_bytes",
     "memory/trainer_alloc_retries",
     "gen/logprob_mismatch",
+    "timing/decode_prefill_s",  # the transformers generator's decode (HfGenerator.take_stats)
+    "timing/decode_forward_s",
+    "timing/decode_sample_s",
+    "timing/decode_bookkeeping_s",
+    "timing/decode_compact_s",
+    "gen/decode_steps",
+    "gen/row_steps",
     "train/reward_mean",
     "train/response_len_mean",
     "throughput/tokens_per_s",

@@ -193,17 +193,19 @@ def run_grpo(config: GrpoConfig, resume: bool = False) -> list[dict[str, Any]]:
             if algo.max_staleness > 0:  # a resumed pipeline trains what its checkpoint holds
                 pipeline = RolloutPipeline(runtime, config, source, run.resumed)
             if run.evaluates(0):
-                run.log(0, grpo_evaluation(runtime, source, config, pipeline))
+                evaluation = grpo_evaluation(runtime, source, config, pipeline)
+                run.log(0, evaluation | runtime.take_metrics())
             for step in run.steps():
                 if pipeline is not None:
                     metrics = pipeline.step(step)
                 else:
                     prompts = source.train_prompts(step - 1, algo.prompts_per_step)
                     metrics = grpo_step(runtime, config, prompts, step, source).metrics
-                # what the memory phases cost (colocated GPUs), the generators' idle time
-                metrics.update(runtime.take_metrics())
                 if run.evaluates(step):
                     metrics.update(grpo_evaluation(runtime, source, config, pipeline))
+                # what the memory phases cost (colocated GPUs), the generators' idle time and
+                # decode figures: this step's, its evaluation's included
+                metrics.update(runtime.take_metrics())
                 run.log(step, metrics, pipeline)
     return read_metrics(run_dir)
 

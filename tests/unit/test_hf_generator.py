@@ -615,3 +615,48 @@ def test_a_gpu_decode_takes_the_rows_its_free_memory_holds() -> None:
 
 def test_no_prompts_generate_nothing(generator: HfGenerator) -> None:
     assert generator.generate([], SamplingParams(max_tokens=4)) == []
+
+
+def test_the_decode_reports_where_its_time_went(
+    generator: HfGenerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``take_stats``: the seconds of each part of the decode since the last call (together
+    the decode's whole time), its steps and the rows it decoded; then nothing until the next."""
+    import time
+
+    ids = _prompt_ids(generator)
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=3)
+    monkeypatch.setattr(hf_generator, "COMPACT_AT", 0.0)  # every row to the end
+    generator.take_stats()
+    start = time.perf_counter()
+    rollouts = generator.generate(ids, params)
+    elapsed = time.perf_counter() - start
+    stats = generator.take_stats()
+    steps = max(len(r.response_token_ids) for r in rollouts)
+    assert stats["gen/decode_steps"] == steps
+    assert stats["gen/row_steps"] == len(rollouts) * steps
+    parts = ["prefill", "forward", "sample", "bookkeeping"]
+    assert all(stats[f"timing/decode_{part}_s"] > 0 for part in parts[:1] + parts[2:])
+    if steps > 1:
+        assert stats["timing/decode_forward_s"] > 0
+    decode = sum(v for k, v in stats.items() if k.startswith("timing/decode_"))
+    assert 0 < decode <= elapsed
+    assert generator.take_stats() == {}
+
+
+def test_a_phase_clock_charges_each_part_its_time() -> None:
+    import time
+
+    from tandem.generation.phase_clock import PhaseClock
+
+    clock = PhaseClock(torch.device("cpu"))
+    clock.start()
+    time.sleep(0.02)
+    clock.mark("a")
+    time.sleep(0.01)
+    clock.mark("b")
+    time.sleep(0.02)
+    clock.mark("a")
+    seconds = clock.seconds()
+    assert set(seconds) == {"a", "b"}
+    assert 0.04 <= seconds["a"] < 0.5 and 0.01 <= seconds["b"] < 0.25

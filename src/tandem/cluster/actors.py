@@ -236,14 +236,16 @@ class GeneratorWorker:
 
     def generate_timed(
         self, prompt_token_ids: list[list[int]], params: Any
-    ) -> tuple[list[Any], float]:
-        """The rollouts, and the seconds this generator sat idle (neither generating nor
-        receiving weights) since the previous ``generate_timed`` returned."""
+    ) -> tuple[list[Any], float, dict[str, float]]:
+        """The rollouts, the seconds this generator sat idle (neither generating nor receiving
+        weights) since the previous ``generate_timed`` returned, and the generator's figures of
+        this generation (``Generator.take_stats``)."""
         self._begin_work()
         with self._clock:
             idle, self._idle_s = self._idle_s, 0.0
         try:
-            return self._on_compute(self.generator.generate, prompt_token_ids, params), idle
+            rollouts = self._on_compute(self.generator.generate, prompt_token_ids, params)
+            return rollouts, idle, self.generator.take_stats()
         finally:
             self._end_work()
 

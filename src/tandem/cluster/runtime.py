@@ -231,8 +231,10 @@ class Runtime:
         self._refit.settle(self.generators)
         results = self.generators.get(pending.futures)
         rollouts = []
-        for chunk, (chunk_rollouts, idle_s) in zip(pending.chunks, results, strict=True):
+        for chunk, (chunk_rollouts, idle_s, stats) in zip(pending.chunks, results, strict=True):
             self._add_metric("timing/generator_idle_s", idle_s / len(results))
+            for name, value in stats.items():
+                self._add_metric(name, value)
             for rollout in chunk_rollouts:
                 rollout.prompt_index = chunk[rollout.prompt_index]
                 rollouts.append(rollout)

@@ -182,6 +182,11 @@ class Generator(abc.ABC):
         """Whether ``sleep`` really frees memory (False: it is a no-op)."""
         return False
 
+    def take_stats(self) -> dict[str, float]:
+        """Metrics of the generations since the last call, by name (the runtime adds them to
+        the step's, summed over generators); none by default."""
+        return {}
+
     def shutdown(self) -> None:  # noqa: B027
         """Release the engine; the generator is unusable afterwards."""
 

@@ -41,6 +41,7 @@ from tandem.generation.hf_adapters import PeftAdapter
 from tandem.generation.hf_vision import ImagePrefill, load_generation_model, same_prefill
 from tandem.generation.kv_cache import row_bytes
 from tandem.generation.packed_linear import pack_linears
+from tandem.generation.phase_clock import PhaseClock
 from tandem.generation.static_decode import Decoder, StaticDecode
 from tandem.tensors import TargetRuns, device_copies
 from tandem.tensors.devices import DTYPES, release_device_caches
@@ -278,6 +279,7 @@ class HfGenerator(Generator):
             "cache_position" in inspect.signature(forward).parameters
         )
         self._refit_targets: TargetRuns | None = None  # the parameters in a refit's order
+        self._stats: dict[str, float] = {}  # take_stats
         self.adapter = PeftAdapter(self.model)
         """LoRA adapters refits send (``refit.lora=adapter``), applied through peft."""
         self._asleep: StorageOffload | None = None  # the weights on the host while asleep
@@ -375,6 +377,9 @@ class HfGenerator(Generator):
         versions: list[int] = []  # of the weights each step ran with
         rows: torch.Tensor | None = None  # the rows still decoded (None: all), in batch order
         token = tokens[:, 0]
+        clock = PhaseClock(self.device)
+        clock.start()
+        row_steps = 0
         for step in range(steps):
             with self.gate.step() as version:  # a refit lands between two of these
                 if not versions or version != versions[-1]:  # the start, or new weights
@@ -386,10 +391,14 @@ class HfGenerator(Generator):
                         images if images is None or rows is None else images.select(rows.cpu()),
                     )
                     first = step
+                    clock.mark("prefill")
                 else:
                     logits = advance(_pick(token, rows), step - 1 - first)
+                    clock.mark("forward")
                 token, logprob = self._sample(logits, _pick(keys, rows), step, params)
+                clock.mark("sample")
             versions.append(version)
+            row_steps += size if rows is None else len(rows)
             if rows is not None:  # back to the whole batch; the rows left out have stopped
                 token = torch.full_like(lengths, self.pad_token_id).index_copy_(0, rows, token)
                 logprob = logprobs.new_zeros(size).index_copy_(0, rows, logprob)
@@ -401,6 +410,7 @@ class HfGenerator(Generator):
             if params.stop:
                 self._cut_stop_strings(tokens, lengths, stopped, stop_cut, params.stop)
             decoding = int((~stopped).sum())  # the step's one host sync (rows left out stopped)
+            clock.mark("bookkeeping")
             if step + 1 == steps or decoding == 0:
                 break
             batch = size if rows is None else len(rows)
@@ -408,7 +418,24 @@ class HfGenerator(Generator):
                 index = (~_pick(stopped, rows)).nonzero().flatten()
                 keep(index)
                 rows = _pick(torch.arange(size, device=self.device), rows)[index]
+                clock.mark("compact")
+        self._count(clock.seconds(), decode_steps=len(versions), row_steps=row_steps)
         return self._samples(tokens, logprobs, lengths, stopped, stop_cut, versions)
+
+    def _count(self, seconds: dict[str, float], **counts: int) -> None:
+        figures = {f"timing/decode_{part}_s": value for part, value in seconds.items()}
+        figures |= {f"gen/{name}": float(value) for name, value in counts.items()}
+        for name, value in figures.items():
+            self._stats[name] = self._stats.get(name, 0.0) + value
+
+    def take_stats(self) -> dict[str, float]:
+        """Where the decodes since the last call spent their time, by ``phase_clock.PhaseClock``
+        (``timing/decode_<part>_s``: ``prefill``, ``forward`` (a decode step's model call),
+        ``sample``, ``bookkeeping`` (the step's tokens written, stops found, its one host
+        sync), ``compact`` (finished rows leaving)), and how much they decoded
+        (``gen/decode_steps``; ``gen/row_steps``, the rows decoded summed over steps)."""
+        stats, self._stats = self._stats, {}
+        return stats
 
     def _prefill(
         self,
