@@ -18,6 +18,7 @@ class PhaseClock:
     On a CPU the marks are ``perf_counter`` readings."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
         self._marks: list[tuple[str, Any, Any]] = []
         self._last: Any = None
@@ -26,7 +27,7 @@ class PhaseClock:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def start(self) -> None:
