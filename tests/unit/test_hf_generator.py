@@ -633,8 +633,8 @@ def test_the_decode_reports_where_its_time_went(
     elapsed = time.perf_counter() - start
     stats = generator.take_stats()
     steps = max(len(r.response_token_ids) for r in rollouts)
-    assert stats["gen/decode_steps"] == steps
-    assert stats["gen/row_steps"] == len(rollouts) * steps
+    assert stats["throughput/decode_steps"] == steps
+    assert stats["throughput/decode_row_steps"] == len(rollouts) * steps
     parts = ["prefill", "forward", "sample", "bookkeeping"]
     assert all(stats[f"timing/decode_{part}_s"] > 0 for part in parts[:1] + parts[2:])
     if steps > 1:

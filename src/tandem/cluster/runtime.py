@@ -85,8 +85,7 @@ class Runtime:
         self._refit = refit if refit is not None else TransportRefit()
         self.engine_shutdown = engine_shutdown  # off where killing a worker ends its engine
         self.memory_phases, self.discards_weights = memory_phases, discards_weights
-        self.with_reference = with_reference
-        self.where = where
+        self.with_reference, self.where = with_reference, where
         self.placement: Any = None  # the Ray placement group of the actors (None here)
         self._on_close = on_close
         self._phase = _Phase(weights_current=weights_current)
@@ -232,12 +231,11 @@ class Runtime:
         results = self.generators.get(pending.futures)
         rollouts = []
         for chunk, (chunk_rollouts, idle_s, stats) in zip(pending.chunks, results, strict=True):
-            self._add_metric("timing/generator_idle_s", idle_s / len(results))
-            for name, value in stats.items():
-                self._add_metric(name, value)
+            for name, value in {"timing/generator_idle_s": idle_s / len(results), **stats}.items():
+                self._add_metric(name, value)  # idle: the generators' mean; the rest: their sum
             for rollout in chunk_rollouts:
                 rollout.prompt_index = chunk[rollout.prompt_index]
-                rollouts.append(rollout)
+            rollouts += chunk_rollouts
         return rollouts
 
     # -- training -----------------------------------------------------------------------------

@@ -419,12 +419,12 @@ class HfGenerator(Generator):
                 keep(index)
                 rows = _pick(torch.arange(size, device=self.device), rows)[index]
                 clock.mark("compact")
-        self._count(clock.seconds(), decode_steps=len(versions), row_steps=row_steps)
+        self._count(clock.seconds(), steps=len(versions), row_steps=row_steps)
         return self._samples(tokens, logprobs, lengths, stopped, stop_cut, versions)
 
     def _count(self, seconds: dict[str, float], **counts: int) -> None:
         figures = {f"timing/decode_{part}_s": value for part, value in seconds.items()}
-        figures |= {f"gen/{name}": float(value) for name, value in counts.items()}
+        figures |= {f"throughput/decode_{name}": float(value) for name, value in counts.items()}
         for name, value in figures.items():
             self._stats[name] = self._stats.get(name, 0.0) + value
 
@@ -433,7 +433,8 @@ class HfGenerator(Generator):
         (``timing/decode_<part>_s``: ``prefill``, ``forward`` (a decode step's model call),
         ``sample``, ``bookkeeping`` (the step's tokens written, stops found, its one host
         sync), ``compact`` (finished rows leaving)), and how much they decoded
-        (``gen/decode_steps``; ``gen/row_steps``, the rows decoded summed over steps)."""
+        (``throughput/decode_steps``; ``throughput/decode_row_steps``: rows summed over
+        steps)."""
         stats, self._stats = self._stats, {}
         return stats
 
