@@ -10,7 +10,9 @@ host memory a colocated trainer's offloads page-lock (``check_offload_fits``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -106,15 +108,23 @@ def host_fit_problem(need: int, available: int, local_ranks: int) -> str | None:
     )
 
 
+def available_host_bytes() -> int:
+    """The host memory available now without swapping (Linux's ``MemAvailable``: free pages
+    and the caches the kernel can drop); elsewhere the free pages."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def check_offload_fits(num_bytes: int) -> None:
     """Raise ``ConfigError`` where this host cannot page-lock ``num_bytes`` for each of its
     trainer ranks (``LOCAL_WORLD_SIZE``, set by the Ray runtime) now: pinning it would fail
     or bring the kernel's out-of-memory killer, minutes into the run."""
-    import os
-
-    import psutil
-
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    problem = host_fit_problem(num_bytes, psutil.virtual_memory().available, local_ranks)
+    problem = host_fit_problem(num_bytes, available_host_bytes(), local_ranks)
     if problem is not None:
         raise ConfigError(problem)
