@@ -595,8 +595,12 @@ def test_a_gpu_decode_takes_the_rows_its_free_memory_holds() -> None:
     """The row bound of a GPU decode from the KV cache each row allocates, at Qwen2.5-7B's
     shape (28 layers, 4 key/value heads of 128, bf16: 57,344 bytes a position)."""
     from tandem.assets.real_shapes import real_config
-    from tandem.generation.hf_generator import DECODE_HEADROOM, decode_rows
-    from tandem.generation.kv_cache import kv_bytes_per_position, row_bytes
+    from tandem.generation.kv_cache import (
+        DECODE_HEADROOM,
+        decode_rows,
+        kv_bytes_per_position,
+        row_bytes,
+    )
 
     config = real_config("7b")
     assert kv_bytes_per_position(config, torch.bfloat16) == 28 * 2 * 4 * 128 * 2

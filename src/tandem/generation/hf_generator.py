@@ -25,6 +25,7 @@ import inspect
 import itertools
 import logging
 import secrets
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ from tandem.data.images import RowImages, own_prompt
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
 from tandem.generation.hf_adapters import PeftAdapter
 from tandem.generation.hf_vision import ImagePrefill, load_generation_model, same_prefill
-from tandem.generation.kv_cache import row_bytes
+from tandem.generation.kv_cache import decode_rows, row_bytes
 from tandem.generation.packed_linear import pack_linears
 from tandem.generation.phase_clock import PhaseClock
 from tandem.generation.static_decode import Decoder, StaticDecode
@@ -61,26 +62,6 @@ SAMPLE_BLOCK_CUDA = 1 << 26
 """``SAMPLE_BLOCK`` on a GPU (256 MiB: 441 rows of 151,936), where a loop over small blocks
 costs more in kernel launches than the fp32 copy saves (3.15 ms for 256 rows in blocks of 27
 on an H200, against 0.86 ms for softmax + multinomial over the whole batch)."""
-DECODE_HEADROOM = 1 << 30
-"""Device bytes a GPU decode keeps free besides its rows (``kv_cache.row_bytes`` each): the
-sampling block (``SAMPLE_BLOCK_CUDA``), the captured steps' memory pools, kernel workspaces.
-At 7B x 2048 tokens on an H100 the generator's process peaked under 1 GB above its weights
-and rows (docs/benchmarks/2026-12-07-h100-cells.md)."""
-
-
-def decode_rows(total: int, limit: int, each: int, layers: int, free: int | None) -> int:
-    """How many of ``total`` rows decode together: at most ``limit``, and where the device's
-    ``free`` bytes are known, as many as fit at ``each`` bytes a row beside
-    ``DECODE_HEADROOM`` and a compaction's copy of one layer's rows (``COMPACT_AT``); the
-    chunks as even as that allows (a last chunk of a few rows would decode as long as a full
-    one). 0 where not one row fits."""
-    fit = limit
-    if free is not None:
-        fit = min(limit, int((free - DECODE_HEADROOM) // (each * (1 + 1 / layers))))
-    if fit < 1:
-        return 0
-    chunks = -(-total // fit)
-    return -(-total // chunks)
 
 
 def _pick(tensor: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -279,7 +260,7 @@ class HfGenerator(Generator):
             "cache_position" in inspect.signature(forward).parameters
         )
         self._refit_targets: TargetRuns | None = None  # the parameters in a refit's order
-        self._stats: dict[str, float] = {}  # take_stats
+        self._stats: defaultdict[str, float] = defaultdict(float)  # take_stats
         self.adapter = PeftAdapter(self.model)
         """LoRA adapters refits send (``refit.lora=adapter``), applied through peft."""
         self._asleep: StorageOffload | None = None  # the weights on the host while asleep
@@ -423,10 +404,10 @@ class HfGenerator(Generator):
         return self._samples(tokens, logprobs, lengths, stopped, stop_cut, versions)
 
     def _count(self, seconds: dict[str, float], **counts: int) -> None:
-        figures = {f"timing/decode_{part}_s": value for part, value in seconds.items()}
-        figures |= {f"throughput/decode_{name}": float(value) for name, value in counts.items()}
-        for name, value in figures.items():
-            self._stats[name] = self._stats.get(name, 0.0) + value
+        for part, value in seconds.items():
+            self._stats[f"timing/decode_{part}_s"] += value
+        for name, n in counts.items():
+            self._stats[f"throughput/decode_{name}"] += n
 
     def take_stats(self) -> dict[str, float]:
         """Where the decodes since the last call spent their time, by ``phase_clock.PhaseClock``
@@ -435,7 +416,7 @@ class HfGenerator(Generator):
         sync), ``compact`` (finished rows leaving)), and how much they decoded
         (``throughput/decode_steps``; ``throughput/decode_row_steps``: rows summed over
         steps)."""
-        stats, self._stats = self._stats, {}
+        stats, self._stats = dict(self._stats), defaultdict(float)
         return stats
 
     def _prefill(

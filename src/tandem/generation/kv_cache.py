@@ -150,3 +150,25 @@ def row_bytes(config: Any, dtype: torch.dtype, width: int, steps: int) -> int:
     prefill = width * 3 * intermediate * dtype.itemsize
     logits = text.vocab_size * (dtype.itemsize + 8)
     return kv_bytes_per_position(config, dtype) * (width + steps) + prefill + logits
+
+
+DECODE_HEADROOM = 1 << 30
+"""Device bytes a GPU decode keeps free besides its rows (``row_bytes`` each): the sampling
+block (``hf_generator.SAMPLE_BLOCK_CUDA``), the captured steps' memory pools, kernel
+workspaces. At 7B x 2048 tokens on an H100 the generator's process peaked under 1 GB above its
+weights and rows (docs/benchmarks/2026-12-07-h100-cells.md)."""
+
+
+def decode_rows(total: int, limit: int, each: int, layers: int, free: int | None) -> int:
+    """How many of ``total`` rows decode together: at most ``limit``, and where the device's
+    ``free`` bytes are known, as many as fit at ``each`` bytes a row beside
+    ``DECODE_HEADROOM`` and a compaction's copy of one layer's rows
+    (``hf_generator.COMPACT_AT``); the chunks as even as that allows (a last chunk of a few
+    rows would decode as long as a full one). 0 where not one row fits."""
+    fit = limit
+    if free is not None:
+        fit = min(limit, int((free - DECODE_HEADROOM) // (each * (1 + 1 / layers))))
+    if fit < 1:
+        return 0
+    chunks = -(-total // fit)
+    return -(-total // chunks)
