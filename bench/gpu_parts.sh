@@ -20,6 +20,10 @@
 #   decode       the transformers generator's GPU tests, then its decode at 0.5B x 2048 tokens
 #                (vocabulary 151,936) now and with the attention it had before its windows
 #                (bench/real_scale_gpu.sh 0.5b --sides decode)                               ~350 s
+#   decode-compile  the transformers generator's GPU tests (compiled layers among them); its
+#                decode at 0.5B x 2048 tokens with compiled decoder layers against without
+#                (generation.compile; forward ms a step); then the 1.5B x 2048 cell's tandem
+#                side with generation.compile=true                                          ~560 s
 #   train-mfu    the train phase at 1.5B, 32 x 2048 tokens, micro-batches of 8 / 16,384 tokens,
 #                with and without activation checkpointing, compiled layers and not; then the
 #                profile of a compiled step without checkpointing (bench/train_phase_profile.py,
@@ -50,6 +54,7 @@ usage() { sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2; 
 for part in "$@"; do
     case $part in
         offload | lora-refit | lora-phases | lora-trl | tests | decode | train-mfu | brief) ;;
+        decode-compile) ;;
         train-spread | train-pack) ;;
         cell-*)
             base=$part
@@ -108,6 +113,12 @@ for part in "$@"; do
             run decode 90 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
             run decode 270 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 0.5b \
                 --sides decode --budget-s 250 ;;
+        decode-compile)
+            run decode-compile 120 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
+            run decode-compile 200 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 0.5b \
+                --sides decode --budget-s 190 --decode-paths tandem_cuda_graphs tandem_compiled
+            run decode-compile 230 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 1.5b \
+                --sides tandem --budget-s 220 --set generation.compile=true ;;
         train-mfu)
             run train-mfu 330 python3 bench/train_phase_profile.py --shape 1.5b --sequences 32 \
                 --length 2048 --steps 2 --settings fsdp_mp_ac_compile fsdp_mp_ac fsdp_mp_compile \

@@ -11,7 +11,10 @@ per second, and the ratio to ``generate``.
 paths, among them ``tandem_whole_reads``: the decode as it was before its windows (every step
 attends over the whole static cache, transformers' sdpa copying the grouped key/value heads).
 ``--roofline`` adds each path's tokens/s against the decode roofline of the same run
-(``real_scale_figures.decode_roofline`` at the device-to-device copy rate).
+(``real_scale_figures.decode_roofline`` at the device-to-device copy rate). ``tandem_compiled``
+is the graphed decode of a second generator whose decoder layers are compiled
+(``generation.compile``). Each line of tandem's paths carries the decode's model call per
+step (``forward_ms_per_step``, the generator's ``timing/decode_forward_s`` over its steps).
 
     PYTHONPATH=src:bench python bench/hf_generate_gpu.py [--shape 0.5b] [--rounds 3]
         [--model DIR --max-tokens 2048 --paths tandem_cuda_graphs tandem_whole_reads --roofline]
@@ -37,6 +40,7 @@ from tandem.generation.hf_generator import HfGenerator
 
 PATHS = ("tandem_cuda_graphs", "tandem_static_eager", "tandem_dynamic", "transformers_generate")
 WHOLE = "tandem_whole_reads"
+COMPILED = "tandem_compiled"
 
 
 def main() -> None:
@@ -47,7 +51,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", type=Path, default=None, help="a model folder to use")
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=[*PATHS, WHOLE])
+    parser.add_argument(
+        "--paths", nargs="+", default=list(PATHS), choices=[*PATHS, WHOLE, COMPILED]
+    )
     parser.add_argument("--roofline", action="store_true")
     args = parser.parse_args()
     path = args.model or Path(tempfile.gettempdir()) / f"hfgen-qwen2-{args.shape}"
@@ -63,12 +69,32 @@ def main() -> None:
     model, pad = generator.model, generator.pad_token_id
     attention = model.config._attn_implementation  # the generator's (grouped heads in place)
 
+    compiled = None
+    if COMPILED in args.paths:  # its layers compiled in place: a generator of its own
+        compiled = HfGenerator(path, device=device, dtype="bfloat16", compile_layers=True)
+    forward_ms: dict[str, float] = {}
+
     def ours(graphs: bool, static: bool, whole: bool = False, warm: bool = False) -> int:
         generator.cuda_graphs, generator.static_cache = graphs and cuda, static
         static_decode.CACHE_BUCKET = 1 << 30 if whole else 256
         model.set_attn_implementation("sdpa" if whole else attention)
+        return run_ours(generator, warm)
+
+    def run_ours(gen: HfGenerator, warm: bool) -> int:
         run = replace(params, max_tokens=16) if warm else params
-        return sum(len(r.response_token_ids) for r in generator.generate(prompts, run))
+        gen.take_stats()
+        tokens = sum(len(r.response_token_ids) for r in gen.generate(prompts, run))
+        stats = gen.take_stats()
+        forward_ms["last"] = (
+            1e3 * stats["timing/decode_forward_s"] / stats["throughput/decode_steps"]
+        )
+        return tokens
+
+    def ours_compiled(warm: bool = False) -> int:
+        assert compiled is not None
+        compiled.cuda_graphs, compiled.static_cache = cuda, True
+        static_decode.CACHE_BUCKET = 256
+        return run_ours(compiled, warm)
 
     def transformers_generate(warm: bool = False) -> int:
         model.set_attn_implementation("sdpa")  # transformers' own attention
@@ -95,6 +121,7 @@ def main() -> None:
         "tandem_dynamic": lambda warm=False: ours(False, False, warm=warm),
         "transformers_generate": transformers_generate,
         WHOLE: lambda warm=False: ours(True, True, whole=True, warm=warm),
+        COMPILED: ours_compiled,
     }
     paths = {name: every[name] for name in args.paths}
     sync = torch.cuda.synchronize if cuda else lambda: None
@@ -102,13 +129,17 @@ def main() -> None:
         run(warm=True)
     times: dict[str, list[float]] = {name: [] for name in paths}
     tokens: dict[str, int] = {}
+    step_ms: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.rounds):
         for name, run in paths.items():
             sync()
             start = time.perf_counter()
+            forward_ms.pop("last", None)
             tokens[name] = run()
             sync()
             times[name].append(time.perf_counter() - start)
+            if "last" in forward_ms:
+                step_ms[name].append(forward_ms["last"])
     generate = times.get("transformers_generate")
     reference = statistics.median(generate) if generate else None
     rows = len(prompts) * args.generations
@@ -126,6 +157,8 @@ def main() -> None:
             "ratio_to_generate": round(median / reference, 3) if reference else None,
             "work": f"{args.prompts}x{args.generations}x<={args.max_tokens}",
         }
+        if step_ms[name]:
+            record["forward_ms_per_step"] = round(statistics.median(step_ms[name]), 3)
         if bandwidth:
             sizes = model_sizes(path)
             response = tokens[name] / rows

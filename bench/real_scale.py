@@ -220,12 +220,13 @@ def tandem_command(args: argparse.Namespace) -> list[str]:
 
 
 def decode_command(args: argparse.Namespace, ready: dict[str, Any]) -> list[str]:
-    """The generator alone on the cell's model: its decode now and with the attention it had
-    before its windows (``hf_generate_gpu.py``'s ``tandem_whole_reads``), against the roofline."""
+    """The generator alone on the cell's model: by default its decode now and with the attention
+    it had before its windows (``hf_generate_gpu.py``'s ``tandem_whole_reads``), against the
+    roofline; ``--decode-paths`` picks others (``tandem_compiled``)."""
     command = [args.python, str(BENCH / "hf_generate_gpu.py"), "--model", ready["model"]]
     command += ["--max-tokens", str(args.max_tokens), "--prompts", str(args.prompts)]
     command += ["--generations", str(args.generations), "--rounds", "1", "--roofline"]
-    return [*command, "--paths", "tandem_cuda_graphs", "tandem_whole_reads"]
+    return [*command, "--paths", *args.decode_paths]
 
 
 def trl_command(args: argparse.Namespace, ready: dict[str, Any], label: str) -> list[str]:
@@ -347,7 +348,7 @@ class Cell:
         if tandem and trl:
             record["ratio"] = round(statistics.median(tandem) / statistics.median(trl), 3)
         for line in self.results["decode"]:  # the generator alone
-            shown = ("tokens_per_s", "decode_roofline_fraction", "value")
+            shown = ("tokens_per_s", "decode_roofline_fraction", "value", "forward_ms_per_step")
             record[f"decode_{line['path']}"] = {k: line.get(k) for k in shown}
         return record
 
@@ -381,6 +382,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--micro-batch-size", type=int, default=64)
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=65536)
     parser.add_argument("--trl-micro-batch", type=int, default=8)
+    parser.add_argument(
+        "--decode-paths",
+        nargs="+",
+        default=["tandem_cuda_graphs", "tandem_whole_reads"],
+        help="--sides decode: hf_generate_gpu.py's paths",
+    )
     parser.add_argument(
         "--sides", nargs="+", default=["tandem", "trl"], choices=["tandem", "trl", "decode"]
     )

@@ -117,3 +117,27 @@ def test_a_deep_sleep_frees_the_device_without_a_host_copy_of_the_weights() -> N
     again = generator.generate(prompts, params)
     assert [r.response_token_ids for r in again] == [r.response_token_ids for r in first]
     assert [r.response_logprobs for r in again] == [r.response_logprobs for r in first]
+
+
+def test_compiled_layers_decode_under_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``generation.compile``: the decode through compiled decoder layers (Triton kernels)
+    captured and replayed per batch size and window (windows of 4 positions: many captures),
+    the captures holding, with the eager decode's tokens and logprobs (fp32)."""
+    from tandem.generation import static_decode
+
+    monkeypatch.setattr(static_decode, "CACHE_BUCKET", 4)
+    eager = HfGenerator(DEFAULT_MODEL_DIR, device="cuda:0", dtype="float32")
+    compiled = HfGenerator(DEFAULT_MODEL_DIR, device="cuda:0", dtype="float32", compile_layers=True)
+    prompts = [eager.tokenizer.encode(p) for p in ["17+25=", "3-1=", "99+99=", "7*8="]]
+    params = SamplingParams(temperature=2.0, max_tokens=12, n=4, seed=3)
+    try:
+        expected = eager.generate(prompts, params)
+        got = compiled.generate(prompts, params)
+        again = compiled.generate(prompts, params)  # the compiled graphs and the captures again
+    finally:
+        torch._dynamo.reset()
+    assert compiled._compiled and compiled.cuda_graphs  # compiled, and the captures held
+    assert [r.response_token_ids for r in got] == [r.response_token_ids for r in expected]
+    assert [r.response_token_ids for r in again] == [r.response_token_ids for r in got]
+    for g, e in zip(got, expected, strict=True):
+        assert g.response_logprobs == pytest.approx(e.response_logprobs, rel=1e-4, abs=1e-4)

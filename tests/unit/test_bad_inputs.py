@@ -103,6 +103,14 @@ CASES: dict[str, tuple[Setup, str]] = {
         lambda t: ["grpo", "generation.backend=hf", "generation.precision=fp8"],
         "precision=fp8 needs",
     ),
+    "compile on vllm": (
+        lambda t: ["grpo", "generation.backend=vllm", "generation.compile=true"],
+        "generation.compile compiles the transformers generator",
+    ),
+    "compile with lora adapters": (
+        lambda t: ["grpo", "-c", "grpo_arithmetic_lora", "generation.compile=true"],
+        "policy.lora with generation.compile",
+    ),
     "jsonl without a file": (lambda t: ["grpo", "data.task=jsonl"], "data.train_path"),
     # multi-turn environments
     "unknown environment": (

@@ -192,6 +192,20 @@ def test_auto_generates_with_vllm_where_the_run_has_gpus_or_fp8(
         load_config(GrpoConfig, None, ["generation.backend=hf", "generation.precision=fp8"])
 
 
+def test_generation_compile_on_a_machine_that_decides_for_vllm_is_one_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``generation.compile`` with backend auto: where the generator's machine decides for vLLM
+    (a GPU with vLLM installed) its worker refuses it before loading anything."""
+    from tandem import machine
+    from tandem.config.models import GenerationConfig
+    from tandem.generation import make_generator
+
+    monkeypatch.setattr(machine, "generator_backend", lambda config: "vllm")
+    with pytest.raises(ConfigError, match="vLLM compiles its own model"):
+        make_generator(GenerationConfig(compile=True), "no/such/model")
+
+
 def test_in_process_with_a_bad_setting_is_an_error_before_anything_starts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -664,3 +664,69 @@ def test_a_phase_clock_charges_each_part_its_time() -> None:
     seconds = clock.seconds()
     assert set(seconds) == {"a", "b"}
     assert 0.04 <= seconds["a"] < 0.5 and 0.01 <= seconds["b"] < 0.25
+
+
+def test_compiled_layers_decode_the_same_samples_and_compile_once_for_every_layer(
+    generator: HfGenerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``generation.compile``: the static decode through compiled decoder layers (Inductor on
+    the CPU here) gives the eager decode's tokens and logprobs (fp32, within 1e-5). The layers
+    share their compiled code (not one compilation a layer: fewer graphs than layers); a
+    second decode, with other windows and batch sizes, compiles nothing more; and each captured
+    step (the capture's stand-in of the test above) ran eagerly at its shape first, so that no
+    compilation can happen inside a capture."""
+    from torch._dynamo.utils import counters
+
+    from tandem.generation import static_decode
+
+    eager_shapes: list[tuple[int, int]] = []
+    forward = static_decode.StaticDecode.forward
+
+    def recorded(self: static_decode.StaticDecode) -> torch.Tensor:
+        eager_shapes.append((len(self.token), self.window.length))
+        return forward(self)
+
+    unwarmed: list[tuple[int, int]] = []
+
+    def capture(step: object) -> tuple[object, torch.Tensor]:
+        decode = step.__self__  # type: ignore[attr-defined]
+        shape = (len(decode.token), decode.window.length)
+        if shape not in eager_shapes:
+            unwarmed.append(shape)
+
+        class Replay:
+            def replay(self) -> None:
+                logits.copy_(forward(decode))
+
+        logits = forward(decode)
+        return Replay(), logits
+
+    monkeypatch.setattr(static_decode.StaticDecode, "forward", recorded)
+    monkeypatch.setattr(static_decode, "capture", capture)
+    monkeypatch.setattr(static_decode, "CACHE_BUCKET", 4)
+    ids = _prompt_ids(generator)
+    params = SamplingParams(temperature=4.0, max_tokens=24, n=4, seed=5)  # long, ragged
+    generator.static_cache = True
+    try:
+        eager = generator.generate(ids, params)
+    finally:
+        generator.static_cache = False
+    compiled = HfGenerator(DEFAULT_MODEL_DIR, compile_layers=True)
+    compiled.static_cache = compiled.cuda_graphs = True
+    try:
+        graphs = counters["stats"]["unique_graphs"]
+        first = compiled.generate(ids, params)
+        again = counters["stats"]["unique_graphs"]
+        graphs = again - graphs
+        longer = SamplingParams(temperature=4.0, max_tokens=30, n=3, seed=9)
+        other = compiled.generate(ids[:2], longer)
+        assert counters["stats"]["unique_graphs"] == again  # nothing compiled again
+    finally:
+        torch._dynamo.reset()
+    layers = compiled.model.config.num_hidden_layers
+    assert 0 < graphs < layers * 4  # 4 pieces a layer (the cache's update breaks them)
+    assert not unwarmed and compiled.cuda_graphs
+    assert len(other) == 6 and max(len(r.response_token_ids) for r in other) > 12
+    assert [r.response_token_ids for r in first] == [r.response_token_ids for r in eager]
+    for c, e in zip(first, eager, strict=True):  # (fused fp32 sums in another order)
+        assert c.response_logprobs == pytest.approx(e.response_logprobs, rel=1e-5, abs=1e-5)

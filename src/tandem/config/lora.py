@@ -69,6 +69,9 @@ class Generation(Protocol):
     def sleep_level(self) -> int: ...
 
     @property
+    def compile(self) -> bool: ...
+
+    @property
     def model_fields_set(self) -> set[str]: ...
 
     def model_copy(self, *, update: Any = None, deep: bool = False) -> Any: ...
@@ -99,6 +102,11 @@ def check_lora_generation(
                 "policy.lora with algorithm.refit_mode=in_flight on vLLM: running requests keep "
                 "the adapter they started with; use refit_mode=after_requests or refit.lora=merged"
             )
+    if generation.compile:
+        raise ValueError(
+            "policy.lora with generation.compile: the compiled layers would compile again for "
+            "each adapter a refit loads; set refit.lora=merged or generation.compile=false"
+        )
     update: dict[str, Any] = {}
     if generation.sleep_level == 2:
         if "sleep_level" in generation.model_fields_set:

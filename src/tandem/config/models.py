@@ -218,6 +218,11 @@ class GenerationConfig(Section):
     (a refit sends no base weights)."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (required on CPU, faster start for tiny models)."""
+    compile: bool = False
+    """The transformers generator (backend hf) on a GPU: ``torch.compile`` its decoder layers
+    (Inductor, as ``policy.compile``; built at the first decode), so a decode step replays
+    fewer, fused kernels. vLLM compiles its own model (``enforce_eager=false``). On a CPU the
+    generator decodes without it."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """The generator's weights and compute dtype. auto: the trainer's compute dtype (bfloat16
     with policy.mixed_precision or policy.dtype bfloat16, else float32), so generator and
@@ -237,7 +242,15 @@ class GenerationConfig(Section):
                 "generation.precision=fp8 needs generation.backend=vllm (the hf backend has no "
                 "FP8 layers); use precision: bf16 with backend hf"
             )
+        if self.compile and self.backend == "vllm":
+            raise ValueError(COMPILE_NEEDS_HF)
         return self
+
+
+COMPILE_NEEDS_HF = (
+    "generation.compile compiles the transformers generator (generation.backend=hf); vLLM "
+    "compiles its own model: set generation.enforce_eager=false instead"
+)
 
 
 def generator_dtype(policy: PolicyConfig, generation: GenerationConfig) -> str:

@@ -25,7 +25,18 @@ def make_generator(
     if backend == "hf":
         from tandem.generation.hf_generator import HfGenerator
 
-        return HfGenerator(model_path, device=device, dtype=dtype, sleep_level=config.sleep_level)
+        return HfGenerator(
+            model_path,
+            device=device,
+            dtype=dtype,
+            sleep_level=config.sleep_level,
+            compile_layers=config.compile and device != "cpu",
+        )
+    if config.compile:  # backend auto, decided for vLLM on this machine
+        from tandem.config.load import ConfigError
+        from tandem.config.models import COMPILE_NEEDS_HF
+
+        raise ConfigError(COMPILE_NEEDS_HF)
     if backend == "vllm":
         from tandem.generation.vllm_generator import VllmGenerator
 

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from tandem.adapters import is_adapter_name
+from tandem.attention import full_attention_only
 from tandem.config.load import ConfigError
 from tandem.data.images import RowImages, own_prompt
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
@@ -48,6 +49,7 @@ from tandem.tensors import TargetRuns, device_copies
 from tandem.tensors.devices import DTYPES, release_device_caches
 from tandem.tensors.packed import PackedStream
 from tandem.tensors.storage_offload import StorageOffload
+from tandem.trainer.parallelize import decoder_layers
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +216,7 @@ class HfGenerator(Generator):
         max_batch_size: int = 256,
         cuda_graphs: bool = True,
         sleep_level: int = 1,
+        compile_layers: bool = False,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -241,8 +244,14 @@ class HfGenerator(Generator):
         for param, copy in zip(params, copies, strict=True):
             torch.utils.swap_tensors(param, nn.Parameter(copy, requires_grad=param.requires_grad))
         self.model.to(self.device).eval()  # type: ignore[arg-type]  # the buffers
-        # on a CPU the larger linear layers compute through oneDNN over packed weights
-        self._packed = pack_linears(self.model) if self.device.type == "cpu" else []
+        self.compile_layers = compile_layers
+        """``generation.compile``: the static decode's decoder layers run compiled
+        (``_compile_layers``, at the first such decode)."""
+        self._compiled = False
+        # on a CPU the larger linear layers compute through oneDNN over packed weights (ops
+        # that Inductor does not lower: not with compiled layers)
+        packs = self.device.type == "cpu" and not compile_layers
+        self._packed = pack_linears(self.model) if packs else []
         self.model.get_output_embeddings().register_forward_pre_hook(_contiguous_rows)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         eos = self.model.generation_config.eos_token_id
@@ -287,13 +296,16 @@ class HfGenerator(Generator):
                 len(rows), at_once, width, params.max_tokens,
             )  # fmt: skip
         rollouts: list[Rollout] = []
+        # compiled layers: their int attributes (a layer's index, which the cache's update
+        # takes) are inputs, not constants, so the layers share one compiled graph
+        compiling = torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
         for start in range(0, len(rows), at_once):
             chunk = rows[start : start + at_once]
             prompts = [prompt_token_ids[i] for i, _ in chunk]
             seeds = [params.sample_seed(i, j) for i, j in chunk]
-            for (i, _), sample in zip(
-                chunk, self._generate_batch(prompts, seeds, params), strict=True
-            ):
+            with compiling:
+                samples = self._generate_batch(prompts, seeds, params)
+            for (i, _), sample in zip(chunk, samples, strict=True):
                 rollouts.append(
                     Rollout(
                         prompt_index=i,
@@ -442,12 +454,29 @@ class HfGenerator(Generator):
             model = ImagePrefill(self.model, images)
             position_ids = model.prefill_positions(input_ids, valid[:, : width + done])
         if self.static_cache:
-            decode = StaticDecode(model, self._cache_position, self.cuda_graphs)
+            self._compile_layers()
+            decode = StaticDecode(model, self._cache_position, self.cuda_graphs, self._compiled)
             decode.on_capture_failure = self._no_graphs
             decoder = decode.prefill(input_ids, valid, position_ids, steps - done)
             if decoder is not None:
                 return decoder
         return self._dynamic_decoder(input_ids, valid, position_ids, steps - done, model)
+
+    def _compile_layers(self) -> None:
+        """``torch.compile`` the decoder layers in place (once; ``generation.compile``), as the
+        trainer's ``policy.compile``: Inductor fuses each layer's elementwise work (norms,
+        rotary embeddings, activations, residuals), so a decode step launches fewer kernels.
+        The KV cache's update stays eager (``kv_cache.WindowedCache``). Not for a model whose
+        attention is not all full attention (it decodes over transformers' own cache)."""
+        if not self.compile_layers or self._compiled:
+            return
+        if not full_attention_only(self.model.config):
+            log.warning("hf generator: generation.compile skipped (not all full attention)")
+            self.compile_layers = False
+            return
+        for layer in decoder_layers(self.model):
+            layer.compile(dynamic=True)
+        self._compiled = True
 
     def _no_graphs(self) -> None:
         """A capture failed: this generator decodes without CUDA graphs from now on."""

@@ -122,13 +122,24 @@ class WindowedLayer(DynamicLayer):
         return self.window.length if self.storage is not None else 0
 
 
+class WindowedCache(Cache):
+    """A ``Cache`` of ``WindowedLayer``s whose ``update`` runs eagerly in compiled decoder layers
+    (``generation.compile``): it reads the window's length, a Python int that compiled code
+    would specialise on, compiling again for every window; the layers' code before and after
+    it compiles once for every batch size and window."""
+
+    @torch.compiler.disable
+    def update(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().update(*args, **kwargs)  # type: ignore[no-any-return]
+
+
 def windowed_cache(config: Any, capacity: int, window: CacheWindow) -> Cache | None:
     """A cache of ``WindowedLayer``s sharing ``window``, or None where the model's layers are
     not all full attention."""
     if not full_attention_only(config):
         return None
     layers: list[Any] = [WindowedLayer(capacity, window) for _ in range(config.num_hidden_layers)]
-    return Cache(layers=layers)
+    return WindowedCache(layers=layers)
 
 
 def kv_bytes_per_position(config: Any, dtype: torch.dtype) -> int:

@@ -6,6 +6,11 @@ step replays a CUDA graph; one graph is captured per (rows, bucket), i.e. again 
 ``CACHE_BUCKET`` steps and when finished rows leave the batch (after one eager step of the
 new batch size).
 
+With ``generation.compile`` the decoder layers run compiled (fused elementwise kernels: a
+step of 24 small layers is otherwise bound by the graph's ~40 kernels a layer, not by reading
+the weights and cache); every new shape then runs one eager step before its capture, so that
+any recompilation happens outside it.
+
 Grouped key/value heads are attended in place (``attention.register_gqa_sdpa``: a decode step's
 query heads fold into rows of their key/value head), so no step copies the cache.
 """
@@ -61,16 +66,26 @@ class StaticDecode:
     step (a graph replay where ``graphs``), ``keep`` drops rows. ``graphs`` turns False for
     good when a capture fails (the generator reads it back)."""
 
-    def __init__(self, model: Any, cache_position: Callable[[torch.Tensor], dict], graphs: bool):
+    def __init__(
+        self,
+        model: Any,
+        cache_position: Callable[[torch.Tensor], dict],
+        graphs: bool,
+        compiled: bool = False,
+    ):
         self.model = model
         self.cache_position = cache_position
         self.graphs = graphs
+        self.compiled = compiled
+        """The model's decoder layers are compiled: a graph is captured only over a step of its
+        shape that ran before (a new window can guard a compiled layer too)."""
         self.on_capture_failure: Callable[[], None] = lambda: None
         self.bucket = CACHE_BUCKET
         self.graph: tuple[Any, torch.Tensor] | None = None
         self.graph_shape: tuple[int, int] | None = None
-        self.warm_rows = 0
-        """The batch size whose step last ran eagerly (warm-up before a capture)."""
+        self.warm: tuple[int, int] | int = 0
+        """The batch size (compiled: the shape) whose step last ran eagerly (warm-up before a
+        capture)."""
 
     def prefill(
         self, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor, steps: int
@@ -129,8 +144,9 @@ class StaticDecode:
         shape = (len(self.token), self.window.length)
         if self.graph is None or self.graph_shape != shape:
             self.graph = None  # captured for another shape; its memory goes with it
-            if self.warm_rows != shape[0]:  # a new batch size's first step runs eagerly: it
-                self.warm_rows = shape[0]  # warms its kernels up (a new window changes no GEMM)
+            warm = shape if self.compiled else shape[0]
+            if self.warm != warm:  # a new batch size's first step runs eagerly: it warms its
+                self.warm = warm  # kernels up (a new window changes no GEMM)
                 return self.forward()
             self.graph, self.graph_shape = capture(self.forward), shape  # records; runs nothing
             if self.graph is None:
