@@ -81,6 +81,25 @@ def test_the_static_cache_decode_samples_as_the_dynamic_one(generator: HfGenerat
     assert float(gap.max()) <= 1e-5
 
 
+def test_compiled_layers_sample_image_prompts_as_the_eager_decode(generator: HfGenerator) -> None:
+    """``generation.compile`` on a vision-language model: its language model's layers compile
+    (multimodal positions pass through them) and the static decode samples as the eager one."""
+    prompts = _prompts(3)
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=7)
+    compiled = HfGenerator(VISUAL_MODEL_DIR, max_batch_size=8, compile_layers=True)
+    generator.static_cache = compiled.static_cache = True
+    try:
+        eager = generator.generate(prompts, params)
+        got = compiled.generate(prompts, params)
+    finally:
+        generator.static_cache = False
+        torch._dynamo.reset()
+    assert compiled._compiled
+    assert [r.response_token_ids for r in got] == [r.response_token_ids for r in eager]
+    for g, e in zip(got, eager, strict=True):
+        assert g.response_logprobs == pytest.approx(e.response_logprobs, rel=1e-5, abs=1e-5)
+
+
 def test_a_prompts_samples_share_one_prefill(generator: HfGenerator) -> None:
     """Rows of one image prompt (its ``n`` samples) are prefilled once; prompts of the same
     tokens with other images are not merged (the trainer's logprobs above would show it)."""
