@@ -1,4 +1,5 @@
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -462,41 +463,53 @@ def test_folded_decode_attention_equals_attention_over_repeated_heads() -> None:
     assert not torch.allclose(unmasked, folded, atol=1e-3)  # the mask did something
 
 
-def test_the_graphed_decode_captures_once_per_rows_and_window(
-    generator: HfGenerator, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The decode's CUDA-graph bookkeeping, run on the CPU with a stand-in for the capture: a
-    captured step replays what it recorded (the window length at the capture; a replay of
-    another window fails), a new graph comes with each new window and each compaction, and
-    the samples are the eager decode's."""
+class _Recorded:
+    """A stand-in for a captured CUDA graph that runs on a CPU: it replays the step as captured
+    (same rows, same window; a replay of another shape fails)."""
+
+    def __init__(self, decode: Any) -> None:
+        self.decode, self.shape = decode, (len(decode.token), decode.window.length)
+        self.logits = decode.forward()
+
+    def replay(self) -> None:
+        assert (len(self.decode.token), self.decode.window.length) == self.shape
+        self.logits.copy_(self.decode.forward())
+
+
+@pytest.fixture
+def captures(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """The decode's captures replaced by ``_Recorded`` (with windows of 4 positions): the
+    (rows, window) of each, in order."""
     from tandem.generation import static_decode
 
-    captures: list[tuple[int, int]] = []
+    shapes: list[tuple[int, int]] = []
 
-    class Recorded:  # replays the step as captured: same rows, same window
-        def __init__(self, decode: static_decode.StaticDecode) -> None:
-            self.decode, self.shape = decode, (len(decode.token), decode.window.length)
-            self.logits = decode.forward()
-
-        def replay(self) -> None:
-            assert (len(self.decode.token), self.decode.window.length) == self.shape
-            self.logits.copy_(self.decode.forward())
-
-    def capture(forward: object) -> tuple[Recorded, torch.Tensor]:
-        decode = forward.__self__  # type: ignore[attr-defined]
-        graph = Recorded(decode)
-        captures.append(graph.shape)
+    def capture(forward: object) -> tuple[_Recorded, torch.Tensor]:
+        graph = _Recorded(forward.__self__)  # type: ignore[attr-defined]
+        shapes.append(graph.shape)
         return graph, graph.logits
 
     monkeypatch.setattr(static_decode, "capture", capture)
     monkeypatch.setattr(static_decode, "CACHE_BUCKET", 4)
+    return shapes
+
+
+RAGGED = SamplingParams(temperature=4.0, max_tokens=24, n=4, seed=5)
+"""Long and ragged samples of the embedded model: windows grow, rows leave."""
+
+
+def test_the_graphed_decode_captures_once_per_rows_and_window(
+    generator: HfGenerator, captures: list[tuple[int, int]]
+) -> None:
+    """The decode's CUDA-graph bookkeeping, run on the CPU with a stand-in for the capture: a
+    captured step replays what it recorded, a new graph comes with each new window and each
+    compaction, and the samples are the eager decode's."""
     ids = _prompt_ids(generator)
-    params = SamplingParams(temperature=4.0, max_tokens=24, n=4, seed=5)  # long, ragged
     generator.static_cache = True
     try:
-        eager = generator.generate(ids, params)
+        eager = generator.generate(ids, RAGGED)
         generator.cuda_graphs = True
-        graphed = generator.generate(ids, params)
+        graphed = generator.generate(ids, RAGGED)
     finally:
         generator.static_cache = generator.cuda_graphs = False
     assert len(captures) > 3 and len(set(captures)) == len(captures)  # one per rows x window
@@ -667,55 +680,45 @@ def test_a_phase_clock_charges_each_part_its_time() -> None:
 
 
 def test_compiled_layers_decode_the_same_samples_and_compile_once_for_every_layer(
-    generator: HfGenerator, monkeypatch: pytest.MonkeyPatch
+    generator: HfGenerator, captures: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``generation.compile``: the static decode through compiled decoder layers (Inductor on
     the CPU here) gives the eager decode's tokens and logprobs (fp32, within 1e-5). The layers
     share their compiled code (not one compilation a layer: fewer graphs than layers); a
     second decode, with other windows and batch sizes, compiles nothing more; and each captured
-    step (the capture's stand-in of the test above) ran eagerly at its shape first, so that no
+    step (the stand-in of the test above) ran eagerly at its shape first, so that no
     compilation can happen inside a capture."""
     from torch._dynamo.utils import counters
 
     from tandem.generation import static_decode
 
     eager_shapes: list[tuple[int, int]] = []
-    forward = static_decode.StaticDecode.forward
+    forward, stand_in = static_decode.StaticDecode.forward, static_decode.capture
 
     def recorded(self: static_decode.StaticDecode) -> torch.Tensor:
         eager_shapes.append((len(self.token), self.window.length))
         return forward(self)
 
-    unwarmed: list[tuple[int, int]] = []
-
-    def capture(step: object) -> tuple[object, torch.Tensor]:
-        decode = step.__self__  # type: ignore[attr-defined]
-        shape = (len(decode.token), decode.window.length)
+    def capture(step: Any) -> tuple[Any, torch.Tensor]:
+        shape = (len(step.__self__.token), step.__self__.window.length)
         if shape not in eager_shapes:
             unwarmed.append(shape)
+        return stand_in(step)
 
-        class Replay:
-            def replay(self) -> None:
-                logits.copy_(forward(decode))
-
-        logits = forward(decode)
-        return Replay(), logits
-
+    unwarmed: list[tuple[int, int]] = []
     monkeypatch.setattr(static_decode.StaticDecode, "forward", recorded)
     monkeypatch.setattr(static_decode, "capture", capture)
-    monkeypatch.setattr(static_decode, "CACHE_BUCKET", 4)
     ids = _prompt_ids(generator)
-    params = SamplingParams(temperature=4.0, max_tokens=24, n=4, seed=5)  # long, ragged
     generator.static_cache = True
     try:
-        eager = generator.generate(ids, params)
+        eager = generator.generate(ids, RAGGED)
     finally:
         generator.static_cache = False
     compiled = HfGenerator(DEFAULT_MODEL_DIR, compile_layers=True)
     compiled.static_cache = compiled.cuda_graphs = True
     try:
         graphs = counters["stats"]["unique_graphs"]
-        first = compiled.generate(ids, params)
+        first = compiled.generate(ids, RAGGED)
         again = counters["stats"]["unique_graphs"]
         graphs = again - graphs
         longer = SamplingParams(temperature=4.0, max_tokens=30, n=3, seed=9)
@@ -725,7 +728,7 @@ def test_compiled_layers_decode_the_same_samples_and_compile_once_for_every_laye
         torch._dynamo.reset()
     layers = compiled.model.config.num_hidden_layers
     assert 0 < graphs < layers * 4  # 4 pieces a layer (the cache's update breaks them)
-    assert not unwarmed and compiled.cuda_graphs
+    assert captures and not unwarmed and compiled.cuda_graphs
     assert len(other) == 6 and max(len(r.response_token_ids) for r in other) > 12
     assert [r.response_token_ids for r in first] == [r.response_token_ids for r in eager]
     for c, e in zip(first, eager, strict=True):  # (fused fp32 sums in another order)
