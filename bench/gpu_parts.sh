@@ -43,6 +43,8 @@
 #   cell-...-512, cell-...-4096  any cell above with at most 512 / 4096 new tokens (mean a
 #                quarter of it) instead of 2048, TRL's micro-batch 32 / 4 instead of 8 (the
 #                same tokens), e.g. cell-0.5b-4096, cell-0.5b-trl-512
+#                SET="generation.compile=true policy.packing=true" adds those overrides to
+#                tandem's side of any cell
 #   cell-tiny    the cells' path at a tiny shape (a check on a CPU: TRL_PYTHON, a Python with TRL)
 #   brief        where device time is short, one figure of each open question: the onload shapes
 #                of pinned_rate, the transformers generator's GPU tests, the 1.5B train phase
@@ -166,6 +168,7 @@ for part in "$@"; do
                                         --set policy.offload_weights=false) ;;
                 *) sides=() ;;
             esac
+            for item in ${SET:-}; do sides+=(--set "$item"); done
             if [ "$cell" != tiny ] && [ "${sides[1]:-}" != trl ]; then  # the sleep it runs on
                 run "$part" 60 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
             fi
