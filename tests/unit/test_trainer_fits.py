@@ -11,7 +11,13 @@ from torch import nn
 from tandem.cluster.groups import LocalGroup, WorkerError
 from tandem.config import PolicyConfig
 from tandem.config.load import ConfigError
-from tandem.trainer.fits import check_state_fits, state_bytes, state_fit_problem
+from tandem.trainer.fits import (
+    check_state_fits,
+    megatron_fit_problem,
+    megatron_state_bytes,
+    state_bytes,
+    state_fit_problem,
+)
 
 H100 = 85_017_493_504  # bytes, as torch reports an H100 80GB HBM3
 H200 = 150_754_820_096
@@ -123,3 +129,34 @@ def test_the_offload_check_reads_this_hosts_memory(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     with pytest.raises(ConfigError, match="each of this host's 8 trainer ranks"):
         check_offload_fits(available // 4)  # a quarter each, eight of them
+
+
+def test_megatron_counts_its_gradient_buffer_and_sharded_optimizer_state() -> None:
+    """The Megatron-core trainer's bytes a rank: bf16 weights 2, DDP's fp32 gradients 4, the
+    distributed optimizer's fp32 main weights and Adam's moments 12 over the data-parallel
+    ranks; fp32 weights are their own main weights (4 + 4 + 8); a frozen copy only weights."""
+    assert megatron_state_bytes(1000, bf16=True, trainable=True, data_parallel=1) == 18_000
+    assert megatron_state_bytes(1000, bf16=True, trainable=True, data_parallel=4) == 9_000
+    assert megatron_state_bytes(1000, bf16=False, trainable=True, data_parallel=1) == 16_000
+    assert megatron_state_bytes(1000, bf16=True, trainable=False, data_parallel=8) == 2_000
+
+
+def test_megatron_7b_on_one_80_gb_gpu_is_refused_naming_the_layouts_that_fit() -> None:
+    config = PolicyConfig(backend="megatron")
+    need = megatron_state_bytes(QWEN25_7B, bf16=True, trainable=True, data_parallel=1)
+    problem = megatron_fit_problem(config, need, QWEN25_7B, 1, H100, "NVIDIA H100 80GB HBM3")
+    assert problem is not None and "137.1 GB" in problem and "85.0 GB" in problem
+    for setting in (
+        "policy.megatron.tensor_parallel_size",
+        "cluster.num_trainers=2",
+        "policy.backend=fsdp2",
+        "policy.optimizer.bf16_stochastic_round=true",
+    ):
+        assert setting in problem
+    # tensor parallel over two H100s: each rank holds half the model and fits
+    half = megatron_state_bytes(QWEN25_7B // 2, bf16=True, trainable=True, data_parallel=1)
+    assert megatron_fit_problem(config, half, QWEN25_7B // 2, 2, H100, "H100") is None
+    # on the 141 GB card it fits as it is; a frozen reference copy fits anywhere here
+    assert megatron_fit_problem(config, need, QWEN25_7B, 1, H200, "H200") is None
+    frozen = megatron_state_bytes(QWEN25_7B, bf16=True, trainable=False, data_parallel=1)
+    assert megatron_fit_problem(config, frozen, QWEN25_7B, 1, H100, "H100") is None

@@ -90,6 +90,68 @@ def check_state_fits(
         raise ConfigError(problem)
 
 
+def megatron_state_bytes(count: int, bf16: bool, trainable: bool, data_parallel: int) -> int:
+    """Bytes on one rank of a Megatron-core trainer whose model slice (its tensor- and
+    pipeline-parallel part) holds ``count`` parameters: the weights (bf16 or fp32) and, where it
+    trains, DDP's fp32 gradient buffer and the distributed optimizer's fp32 main weights (with
+    bf16 weights) and Adam's two fp32 moments, sharded over the ``data_parallel`` ranks."""
+    weights = count * (2 if bf16 else 4)
+    if not trainable:
+        return weights
+    sharded = count * ((4 if bf16 else 0) + 8)
+    return weights + count * 4 + -(-sharded // data_parallel)
+
+
+def megatron_fit_problem(
+    config: PolicyConfig, need: int, count: int, world_size: int, have: int, device_name: str
+) -> str | None:
+    """``state_fit_problem`` for the Megatron-core trainer: what to change where its ``need``
+    bytes on each rank exceed the device's ``have``; None where they fit."""
+    if need <= have:
+        return None
+    layout = config.megatron
+    split = layout.tensor_parallel_size * layout.pipeline_parallel_size
+    return (
+        f"policy: the Megatron trainer's state does not fit its GPU: {count / 1e9:.2f} B "
+        f"parameters on each rank (tensor x pipeline parallel {split}) with their gradients and "
+        f"Adam's state take {need / 1e9:.1f} GB of the {device_name}'s {have / 1e9:.1f} GB. To "
+        "fit it: split the model over more GPUs (policy.megatron.tensor_parallel_size or "
+        "pipeline_parallel_size, cluster.num_trainers a multiple of their product); or shard "
+        "the optimizer state over more data-parallel ranks "
+        f"(cluster.num_trainers={world_size * 2}); "
+        "or train with policy.backend=fsdp2, which can keep bf16 state rounded stochastically "
+        "(policy.dtype=bfloat16 policy.mixed_precision=false "
+        "policy.optimizer.bf16_stochastic_round=true), offload it (policy.cpu_offload=true) or "
+        "train adapters (policy.lora)"
+    )
+
+
+def check_megatron_state_fits(
+    module: torch.nn.Module,
+    config: PolicyConfig,
+    bf16: bool,
+    trainable: bool,
+    world_size: int,
+    device: torch.device,
+) -> None:
+    """Raise ``ConfigError`` where a Megatron-core trainer's state (``module``: this rank's model
+    slice, built, before its gradient buffers and optimizer) cannot fit ``device``."""
+    if device.type != "cuda":
+        return
+    layout = config.megatron
+    data_parallel = max(
+        1, world_size // (layout.tensor_parallel_size * layout.pipeline_parallel_size)
+    )
+    count = sum(p.numel() for p in module.parameters())
+    need = megatron_state_bytes(count, bf16, trainable, data_parallel)
+    properties = torch.cuda.get_device_properties(device)
+    problem = megatron_fit_problem(
+        config, need, count, world_size, properties.total_memory, properties.name
+    )
+    if problem is not None:
+        raise ConfigError(problem)
+
+
 def host_fit_problem(need: int, available: int, local_ranks: int) -> str | None:
     """What to change where an offload of ``need`` bytes on each of ``local_ranks`` trainer
     ranks of a host exceeds the host memory ``available``; None where it fits."""

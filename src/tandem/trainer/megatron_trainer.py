@@ -37,6 +37,7 @@ from tandem.data.packing import MICRO_BATCH_OVERHEAD, MicroBatch, plan_micro_bat
 from tandem.tensors.devices import release_device_caches
 from tandem.tensors.storage_offload import StorageOffload, attribute_tensors
 from tandem.trainer import megatron_checkpoint, megatron_logprobs
+from tandem.trainer.fits import check_megatron_state_fits
 from tandem.trainer.megatron_batches import join_model_parallel
 from tandem.trainer.megatron_config import gpt_model_kwargs, transformer_config_kwargs
 from tandem.trainer.megatron_weights import (
@@ -98,6 +99,9 @@ class MegatronTrainer:
         )
         self.bf16 = config.dtype == "bfloat16" or config.mixed_precision
         self.model = self._build_model()
+        check_megatron_state_fits(
+            self.model, config, self.bf16, trainable, world_size, self.device
+        )  # before the gradient buffers and the optimizer's state
         self.layer_offset = self._layer_offset()
         self._load_weights(_load_hf_state(Path(config.model_path)))
         self.micro_batch_overhead = config.micro_batch_overhead or MICRO_BATCH_OVERHEAD["cuda"]
