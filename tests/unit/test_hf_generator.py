@@ -733,3 +733,46 @@ def test_compiled_layers_decode_the_same_samples_and_compile_once_for_every_laye
     assert [r.response_token_ids for r in first] == [r.response_token_ids for r in eager]
     for c, e in zip(first, eager, strict=True):  # (fused fp32 sums in another order)
         assert c.response_logprobs == pytest.approx(e.response_logprobs, rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("compile_layers", [True, False])
+def test_a_failed_capture_drops_the_compiled_layers_before_the_graphs(
+    generator: HfGenerator,
+    captures: list[tuple[int, int]],
+    compile_layers: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A capture that fails (``static_decode.capture`` returns None): with compiled layers the
+    generator drops them and goes on capturing over the eager layers; without, it decodes
+    without graphs from then on. Either way the decode gives the eager decode's samples."""
+    from tandem.generation import static_decode
+    from tandem.trainer.parallelize import decoder_layers
+
+    stand_in, failed = static_decode.capture, []
+
+    def fails_once(step: Any) -> Any:
+        if not failed:
+            failed.append(True)
+            return None
+        return stand_in(step)
+
+    monkeypatch.setattr(static_decode, "capture", fails_once)
+    ids = _prompt_ids(generator)
+    generator.static_cache = True
+    try:
+        eager = generator.generate(ids, RAGGED)
+    finally:
+        generator.static_cache = False
+    tried = HfGenerator(DEFAULT_MODEL_DIR, compile_layers=compile_layers)
+    tried.static_cache = tried.cuda_graphs = True
+    try:
+        got = tried.generate(ids, RAGGED)
+    finally:
+        torch._dynamo.reset()
+    assert failed
+    assert tried.cuda_graphs == compile_layers and bool(captures) == compile_layers
+    assert not tried._compiled
+    assert all(layer._compiled_call_impl is None for layer in decoder_layers(tried.model))
+    assert [r.response_token_ids for r in got] == [r.response_token_ids for r in eager]
+    for g, e in zip(got, eager, strict=True):
+        assert g.response_logprobs == pytest.approx(e.response_logprobs, rel=1e-5, abs=1e-5)

@@ -456,7 +456,7 @@ class HfGenerator(Generator):
         if self.static_cache:
             self._compile_layers()
             decode = StaticDecode(model, self._cache_position, self.cuda_graphs, self._compiled)
-            decode.on_capture_failure = self._no_graphs
+            decode.on_capture_failure = self._capture_failed
             decoder = decode.prefill(input_ids, valid, position_ids, steps - done)
             if decoder is not None:
                 return decoder
@@ -478,9 +478,19 @@ class HfGenerator(Generator):
             layer.compile(dynamic=True)
         self._compiled = True
 
-    def _no_graphs(self) -> None:
-        """A capture failed: this generator decodes without CUDA graphs from now on."""
+    def _capture_failed(self) -> bool:
+        """A capture failed: with compiled layers, this generator drops them and goes on with
+        CUDA graphs over the eager layers (True: capture again); else it decodes without
+        CUDA graphs from now on."""
+        if self._compiled:
+            log.warning("hf generator: generation.compile dropped (its capture failed)")
+            for layer in decoder_layers(self.model):
+                layer._compiled_call_impl = None  # what nn.Module.compile set
+            self._compiled = self.compile_layers = False
+            return True
+        log.warning("hf generator: decoding without CUDA graphs from now on")
         self.cuda_graphs = False
+        return False
 
     def _dynamic_decoder(
         self,

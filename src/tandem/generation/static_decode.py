@@ -56,7 +56,7 @@ def capture(forward: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor] | N
         with torch.cuda.graph(graph):
             logits = forward()
     except RuntimeError as err:
-        log.warning("hf generator: decoding without CUDA graphs (capture failed: %s)", err)
+        log.warning("hf generator: a CUDA graph capture failed: %s", err)
         return None
     return graph, logits
 
@@ -79,7 +79,9 @@ class StaticDecode:
         self.compiled = compiled
         """The model's decoder layers are compiled: a graph is captured only over a step of its
         shape that ran before (a new window can guard a compiled layer too)."""
-        self.on_capture_failure: Callable[[], None] = lambda: None
+        self.on_capture_failure: Callable[[], bool] = lambda: False
+        """Called when a capture fails; returns whether to capture again (the generator
+        dropped what kept the capture from working: its compiled layers)."""
         self.bucket = CACHE_BUCKET
         self.graph: tuple[Any, torch.Tensor] | None = None
         self.graph_shape: tuple[int, int] | None = None
@@ -150,8 +152,8 @@ class StaticDecode:
                 return self.forward()
             self.graph, self.graph_shape = capture(self.forward), shape  # records; runs nothing
             if self.graph is None:
-                self.graphs = False
-                self.on_capture_failure()
+                self.graphs = self.on_capture_failure()
+                self.compiled, self.warm = False, 0  # the next capture warms up first
                 return self.forward()
         self.graph[0].replay()
         return self.graph[1].clone()
