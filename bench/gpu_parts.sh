@@ -20,7 +20,8 @@
 #   decode       the transformers generator's GPU tests, then its decode at 0.5B x 2048 tokens
 #                (vocabulary 151,936) now and with the attention it had before its windows
 #                (bench/real_scale_gpu.sh 0.5b --sides decode)                               ~350 s
-#   decode-compile  the transformers generator's GPU tests (compiled layers among them); its
+#   decode-compile  the transformers generator's GPU tests (compiled layers among them); a
+#                sampling step's parts at 112 and 256 rows (bench/sampling_step.py); its
 #                decode at 0.5B x 2048 tokens with compiled decoder layers against without
 #                (generation.compile; forward ms a step); then the 1.5B x 2048 cell's tandem
 #                side with generation.compile=true                                          ~560 s
@@ -117,6 +118,9 @@ for part in "$@"; do
                 --sides decode --budget-s 250 ;;
         decode-compile)
             run decode-compile 120 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
+            for rows in 112 256; do
+                run decode-compile 60 python3 bench/sampling_step.py --rows "$rows"
+            done
             run decode-compile 200 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 0.5b \
                 --sides decode --budget-s 190 --decode-paths tandem_cuda_graphs tandem_compiled
             run decode-compile 230 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 1.5b \
