@@ -117,14 +117,14 @@ for part in "$@"; do
             run decode 270 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 0.5b \
                 --sides decode --budget-s 250 ;;
         decode-compile)
-            run decode-compile 120 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
+            run decode-compile 100 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
             for rows in 112 256; do
-                run decode-compile 60 python3 bench/sampling_step.py --rows "$rows"
+                run decode-compile 40 python3 bench/sampling_step.py --rows "$rows"
             done
-            run decode-compile 200 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 0.5b \
-                --sides decode --budget-s 190 --decode-paths tandem_cuda_graphs tandem_compiled
-            run decode-compile 230 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 1.5b \
-                --sides tandem --budget-s 220 --set generation.compile=true ;;
+            run decode-compile 180 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 0.5b \
+                --sides decode --budget-s 170 --decode-paths tandem_cuda_graphs tandem_compiled
+            run decode-compile 220 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 1.5b \
+                --sides tandem --budget-s 210 --set generation.compile=true ;;
         train-mfu)
             run train-mfu 330 python3 bench/train_phase_profile.py --shape 1.5b --sequences 32 \
                 --length 2048 --steps 2 --settings fsdp_mp_ac_compile fsdp_mp_ac fsdp_mp_compile \
