@@ -8,7 +8,13 @@ from safetensors.torch import load_file
 from tandem.assets import DEFAULT_MODEL_DIR
 from tandem.attention import GQA_SDPA
 from tandem.config.models import GenerationConfig, RefitConfig, SamplingConfig
-from tandem.generation import SamplingParams, group_rollouts, hf_generator, make_generator
+from tandem.generation import (
+    Rollout,
+    SamplingParams,
+    group_rollouts,
+    hf_generator,
+    make_generator,
+)
 from tandem.generation.hf_generator import HfGenerator, filter_logits
 from tandem.generation.kv_cache import GrowingLayer
 from tandem.weight_sync import make_receiver, make_sender, metadata_of
@@ -494,6 +500,23 @@ def captures(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     return shapes
 
 
+def _static_decode(gen: HfGenerator, ids: list[list[int]], params: SamplingParams) -> list[Rollout]:
+    """``gen``'s static-cache decode (the GPU's path), run here, eagerly."""
+    gen.static_cache = True
+    try:
+        return gen.generate(ids, params)
+    finally:
+        gen.static_cache = False
+
+
+def _graphed(compile_layers: bool) -> HfGenerator:
+    """A generator of the embedded model decoding as on a GPU (static cache, CUDA graphs: the
+    capture a test's stand-in)."""
+    gen = HfGenerator(DEFAULT_MODEL_DIR, compile_layers=compile_layers)
+    gen.static_cache = gen.cuda_graphs = True
+    return gen
+
+
 RAGGED = SamplingParams(temperature=4.0, max_tokens=24, n=4, seed=5)
 """Long and ragged samples of the embedded model: windows grow, rows leave."""
 
@@ -709,13 +732,8 @@ def test_compiled_layers_decode_the_same_samples_and_compile_once_for_every_laye
     monkeypatch.setattr(static_decode.StaticDecode, "forward", recorded)
     monkeypatch.setattr(static_decode, "capture", capture)
     ids = _prompt_ids(generator)
-    generator.static_cache = True
-    try:
-        eager = generator.generate(ids, RAGGED)
-    finally:
-        generator.static_cache = False
-    compiled = HfGenerator(DEFAULT_MODEL_DIR, compile_layers=True)
-    compiled.static_cache = compiled.cuda_graphs = True
+    eager = _static_decode(generator, ids, RAGGED)
+    compiled = _graphed(compile_layers=True)
     try:
         graphs = counters["stats"]["unique_graphs"]
         first = compiled.generate(ids, RAGGED)
@@ -758,13 +776,8 @@ def test_a_failed_capture_drops_the_compiled_layers_before_the_graphs(
 
     monkeypatch.setattr(static_decode, "capture", fails_once)
     ids = _prompt_ids(generator)
-    generator.static_cache = True
-    try:
-        eager = generator.generate(ids, RAGGED)
-    finally:
-        generator.static_cache = False
-    tried = HfGenerator(DEFAULT_MODEL_DIR, compile_layers=compile_layers)
-    tried.static_cache = tried.cuda_graphs = True
+    eager = _static_decode(generator, ids, RAGGED)
+    tried = _graphed(compile_layers)
     try:
         got = tried.generate(ids, RAGGED)
     finally:
