@@ -116,6 +116,20 @@ def test_an_offload_larger_than_the_host_is_refused_naming_what_fits_it() -> Non
     assert two is not None and "each of this host's 2 trainer ranks" in two
 
 
+def test_the_megatron_trainers_offload_names_what_fits_it() -> None:
+    """The Megatron-core trainer offloads all of its state (no offload of the optimizer alone,
+    no bf16 rounding there): its refusal names what changes its share instead."""
+    from tandem.trainer.fits import host_fit_problem
+
+    need = QWEN25_7B * 18  # bf16 weights, fp32 gradients, main weights and Adam's moments
+    problem = host_fit_problem(need, 120_000_000_000, 1, megatron=True)
+    assert problem is not None and "137.1 GB of page-locked host memory" in problem
+    assert "cluster.memory_phases=false" in problem
+    assert "policy.megatron.tensor_parallel_size" in problem
+    assert "policy.backend=fsdp2" in problem and "bf16_stochastic_round" not in problem
+    assert host_fit_problem(need // 2, 120_000_000_000, 1, megatron=True) is None  # TP over 2
+
+
 def test_the_offload_check_reads_this_hosts_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     import psutil
 

@@ -152,21 +152,38 @@ def check_megatron_state_fits(
         raise ConfigError(problem)
 
 
-def host_fit_problem(need: int, available: int, local_ranks: int) -> str | None:
+def host_fit_problem(
+    need: int, available: int, local_ranks: int, megatron: bool = False
+) -> str | None:
     """What to change where an offload of ``need`` bytes on each of ``local_ranks`` trainer
-    ranks of a host exceeds the host memory ``available``; None where it fits."""
+    ranks of a host exceeds the host memory ``available``; None where it fits. ``megatron``:
+    the Megatron-core trainer's (whose offload moves everything, its state in fp32)."""
     if need * local_ranks <= available:
         return None
     ranks = f" on each of this host's {local_ranks} trainer ranks" if local_ranks > 1 else ""
+    keep = (
+        "keep the whole trainer on the GPU through generation (cluster.memory_phases=false, "
+        "where one GPU holds both)"
+    )
+    if megatron:
+        fixes = (
+            f"{keep}; or split the model over more GPUs of more hosts "
+            "(policy.megatron.tensor_parallel_size or pipeline_parallel_size); or train with "
+            "policy.backend=fsdp2, whose offload can leave the weights on the GPU "
+            "(policy.offload_weights=false)"
+        )
+    else:
+        fixes = (
+            "offload the optimizer state alone and keep the weights on the GPU "
+            f"(policy.offload_weights=false); or {keep}; or shrink the state (policy.dtype="
+            "bfloat16 policy.mixed_precision=false policy.optimizer.bf16_stochastic_round=true, "
+            "or policy.lora)"
+        )
     return (
         f"cluster.memory_phases: the trainer's offload needs {need / 1e9:.1f} GB of page-locked "
-        f"host memory{ranks} (its weights and AdamW's state leave the GPU while the generator "
-        f"works), and the host has {available / 1e9:.1f} GB available. To fit it: offload the "
-        "optimizer state alone and keep the weights on the GPU (policy.offload_weights=false); "
-        "or keep the whole trainer there through generation (cluster.memory_phases=false, "
-        "where one GPU holds both); or shrink the state (policy.dtype=bfloat16 "
-        "policy.mixed_precision=false policy.optimizer.bf16_stochastic_round=true, or "
-        "policy.lora); or free host memory"
+        f"host memory{ranks} (its weights and optimizer state leave the GPU while the generator "
+        f"works), and the host has {available / 1e9:.1f} GB available. To fit it: {fixes}; or "
+        "free host memory"
     )
 
 
@@ -182,11 +199,11 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_offload_fits(num_bytes: int) -> None:
+def check_offload_fits(num_bytes: int, megatron: bool = False) -> None:
     """Raise ``ConfigError`` where this host cannot page-lock ``num_bytes`` for each of its
     trainer ranks (``LOCAL_WORLD_SIZE``, set by the Ray runtime) now: pinning it would fail
     or bring the kernel's out-of-memory killer, minutes into the run."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    problem = host_fit_problem(num_bytes, available_host_bytes(), local_ranks)
+    problem = host_fit_problem(num_bytes, available_host_bytes(), local_ranks, megatron)
     if problem is not None:
         raise ConfigError(problem)

@@ -37,7 +37,7 @@ from tandem.data.packing import MICRO_BATCH_OVERHEAD, MicroBatch, plan_micro_bat
 from tandem.tensors.devices import release_device_caches
 from tandem.tensors.storage_offload import StorageOffload, attribute_tensors
 from tandem.trainer import megatron_checkpoint, megatron_logprobs
-from tandem.trainer.fits import check_megatron_state_fits
+from tandem.trainer.fits import check_megatron_state_fits, check_offload_fits
 from tandem.trainer.megatron_batches import join_model_parallel
 from tandem.trainer.megatron_config import gpt_model_kwargs, transformer_config_kwargs
 from tandem.trainer.megatron_weights import (
@@ -566,7 +566,11 @@ class MegatronTrainer:
         return kept, dropped
 
     def pin_offload_memory(self) -> None:
-        """Host memory is pinned at the first ``offload`` (kept for the next ones)."""
+        """Host memory is pinned at the first ``offload`` (kept for the next ones); here its
+        size is checked against the host's available memory (``check_offload_fits``)."""
+        if self._offload is None:
+            kept, dropped = self._device_tensors()
+            check_offload_fits(StorageOffload(kept, self.device, dropped).nbytes, megatron=True)
 
     def offload(self) -> None:
         """Every device storage of the trainer to pinned host memory, resized to 0 bytes
