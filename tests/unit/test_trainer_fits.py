@@ -174,3 +174,30 @@ def test_megatron_7b_on_one_80_gb_gpu_is_refused_naming_the_layouts_that_fit() -
     assert megatron_fit_problem(config, need, QWEN25_7B, 1, H200, "H200") is None
     frozen = megatron_state_bytes(QWEN25_7B, bf16=True, trainable=False, data_parallel=1)
     assert megatron_fit_problem(config, frozen, QWEN25_7B, 1, H100, "H100") is None
+
+
+def test_a_reward_model_counts_what_trains_at_its_widest_and_names_what_fits() -> None:
+    """``tandem rm``: frozen lower layers count once, unless ``model.unfreeze_after`` trains
+    them later; a 7B reward model trained whole in fp32 is refused on an 80 GB card naming the
+    top layers alone, bf16 and a smaller model."""
+    from tandem.trainer.fits import reward_model_fit_problem, reward_model_state
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))  # 20 + 5 parameters
+    model[0].requires_grad_(False)
+    assert reward_model_state(model, unfreezes=False)[1:] == (25, 5)
+    assert reward_model_state(model, unfreezes=False)[0] == 20 * 4 + 5 * 16
+    assert reward_model_state(model, unfreezes=True) == (25 * 16, 25, 25)
+    assert not model[0].weight.requires_grad  # counting changed nothing
+    need = QWEN25_7B * 16
+    problem = reward_model_fit_problem(need, QWEN25_7B, QWEN25_7B, "float32", H100, "H100", False)
+    assert problem is not None and "121.8 GB" in problem
+    for setting in ("model.trainable_layers", "model.dtype=bfloat16", "model.model_path"):
+        assert setting in problem
+    later = reward_model_fit_problem(need, QWEN25_7B, QWEN25_7B, "bfloat16", H100, "H100", True)
+    assert later is not None and "model.unfreeze_after: null" in later
+    assert "model.dtype=bfloat16" not in later
+    top = QWEN25_7B // 8  # the top layers alone
+    fits_top = reward_model_fit_problem(
+        QWEN25_7B * 4 + top * 12, QWEN25_7B, top, "float32", H100, "H100", False
+    )
+    assert fits_top is None

@@ -24,7 +24,7 @@ TRAINED_COPIES = 4
 two moments (``torch.optim.AdamW`` and torchao's keep them in the parameter's dtype)."""
 
 
-def state_bytes(parameters: Iterable[torch.nn.Parameter], world_size: int) -> tuple[int, int, int]:
+def state_bytes(parameters: Iterable[torch.Tensor], world_size: int) -> tuple[int, int, int]:
     """(bytes on each rank's device, parameters, trained parameters): ``parameters`` as
     ``Module.parameters()`` gives them (a tied weight once); FSDP2 shards all of it over
     ``world_size`` ranks."""
@@ -85,6 +85,54 @@ def check_state_fits(
     properties = torch.cuda.get_device_properties(device)
     problem = state_fit_problem(
         config, need, count, trained, world_size, properties.total_memory, properties.name
+    )
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def reward_model_fit_problem(
+    need: int, count: int, trained: int, dtype: str, have: int, device_name: str, unfreezes: bool
+) -> str | None:
+    """``state_fit_problem`` for ``tandem rm``'s reward model (plain AdamW, its moments in the
+    parameters' dtype; ``trained``: the parameters that train at the run's widest, all of them
+    once ``unfreezes``); None where ``need`` fits the device's ``have``."""
+    if need <= have:
+        return None
+    fixes = ["train its top layers alone (model.trainable_layers, e.g. 4)"]
+    if unfreezes:
+        fixes = ["keep training its top layers alone (model.unfreeze_after: null)"]
+    if dtype == "float32":
+        fixes.append("keep its parameters and AdamW's state in bf16 (model.dtype=bfloat16)")
+    fixes.append("start from a smaller model (model.model_path)")
+    return (
+        f"model: the reward model's training state does not fit its GPU: {count / 1e9:.2f} B "
+        f"parameters in {dtype}, {trained / 1e9:.2f} B of them trained (with gradients and "
+        f"AdamW's moments), take {need / 1e9:.1f} GB of the {device_name}'s "
+        f"{have / 1e9:.1f} GB. To fit it: {'; or '.join(fixes)}"
+    )
+
+
+def reward_model_state(module: torch.nn.Module, unfreezes: bool) -> tuple[int, int, int]:
+    """``state_bytes`` of a reward model on one device: its parameters as they train first
+    (``requires_grad`` set), or every one of them where it ``unfreezes`` later."""
+    params: list[torch.Tensor] = list(module.parameters())
+    if unfreezes:
+        params = [p.detach().requires_grad_() for p in params]
+    return state_bytes(params, 1)
+
+
+def check_reward_model_fits(
+    module: torch.nn.Module, dtype: str, unfreezes: bool, device: torch.device
+) -> None:
+    """Raise ``ConfigError`` where a reward model's training state cannot fit ``device``:
+    ``module`` as it trains first (``requires_grad`` set), every parameter if it ``unfreezes``
+    later. Called before the optimizer exists."""
+    if device.type != "cuda":
+        return
+    need, count, trained = reward_model_state(module, unfreezes)
+    properties = torch.cuda.get_device_properties(device)
+    problem = reward_model_fit_problem(
+        need, count, trained, dtype, properties.total_memory, properties.name, unfreezes
     )
     if problem is not None:
         raise ConfigError(problem)

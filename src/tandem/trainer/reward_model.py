@@ -19,6 +19,7 @@ import torch
 from tandem.algorithms.bradley_terry import bradley_terry
 from tandem.config.models import OptimizerConfig
 from tandem.files import atomic_dir
+from tandem.trainer.fits import check_reward_model_fits
 
 STATE_FILE = "reward_model.pt"
 LM_CHUNK_TOKENS = 1024
@@ -142,6 +143,8 @@ class RewardModelTrainer(RewardModel):
         self.steps_done, self.unfrozen = 0, False
         if trainable_layers is not None:
             self.freeze_below(trainable_layers)
+        unfreezes = self.unfreeze_after is not None
+        check_reward_model_fits(self.model, dtype, unfreezes, self.device)  # before AdamW
         self.max_grad_norm = optimizer.max_grad_norm
         self._build_optimizer(optimizer, total_steps)
 
