@@ -96,3 +96,23 @@ def test_the_runtime_is_one_small_class_and_few_modules_name_the_in_process_laun
     assert runtime.end_lineno is not None and runtime.end_lineno - runtime.lineno + 1 < 250
     naming = sorted(name for name, path in _modules().items() if "in_process" in path.read_text())
     assert len(naming) <= 3, naming
+
+
+def test_a_generators_process_imports_no_trainer() -> None:
+    """The generator's modules (and the actors that host it) import nothing of the trainer at
+    their top: a generator process starts without FSDP2, peft's trainer side or Megatron, and
+    its environment need not have them; what a generator borrows (``decoder_layers`` for
+    ``generation.compile``) it imports where it is used."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, tandem.generation.hf_generator, tandem.generation.static_decode, "
+        "tandem.cluster.actors; "
+        "print(sorted(m for m in sys.modules if m.startswith('tandem.trainer')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout

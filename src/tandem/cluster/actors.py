@@ -166,10 +166,16 @@ class TrainerWorker:
 
     def pin_offload_memory(self) -> None:
         """Pin the host memory of the policy's and the reference's offloads, in the
-        background (the colocated runtime calls this once, right after start)."""
-        for trainer in (self.policy, self.reference):
-            if trainer is not None:
-                trainer.pin_offload_memory()
+        background (the colocated runtime calls this once, right after start), after checking
+        that the host has it for both (each checks its own share too)."""
+        from tandem.trainer.fits import check_offload_fits
+
+        trainers = [t for t in (self.policy, self.reference) if t is not None]
+        if len(trainers) > 1:
+            megatron = any(t.config.backend == "megatron" for t in trainers)
+            check_offload_fits(sum(t.offload_host_bytes() for t in trainers), megatron)
+        for trainer in trainers:
+            trainer.pin_offload_memory()
 
     def memory_stats(self, reset_peak: bool = False) -> dict[str, float]:
         """This process's device memory: allocated, reserved, and the peak since the last

@@ -49,7 +49,6 @@ from tandem.tensors import TargetRuns, device_copies
 from tandem.tensors.devices import DTYPES, release_device_caches
 from tandem.tensors.packed import PackedStream
 from tandem.tensors.storage_offload import StorageOffload
-from tandem.trainer.parallelize import decoder_layers
 
 log = logging.getLogger(__name__)
 
@@ -468,6 +467,8 @@ class HfGenerator(Generator):
         rotary embeddings, activations, residuals), so a decode step launches fewer kernels.
         The KV cache's update stays eager (``kv_cache.WindowedCache``). Not for a model whose
         attention is not all full attention (it decodes over transformers' own cache)."""
+        from tandem.trainer.parallelize import decoder_layers
+
         if not self.compile_layers or self._compiled:
             return
         if not full_attention_only(self.model.config):
@@ -482,6 +483,8 @@ class HfGenerator(Generator):
         """A capture failed: with compiled layers, this generator drops them and goes on with
         CUDA graphs over the eager layers (True: capture again); else it decodes without
         CUDA graphs from now on."""
+        from tandem.trainer.parallelize import decoder_layers
+
         if self._compiled:
             log.warning("hf generator: generation.compile dropped (its capture failed)")
             for layer in decoder_layers(self.model):

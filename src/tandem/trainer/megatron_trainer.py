@@ -565,12 +565,17 @@ class MegatronTrainer:
             kept += attribute_tensors(owner)
         return kept, dropped
 
+    def offload_host_bytes(self) -> int:
+        """The host memory the first ``offload`` will page-lock (0 once it has)."""
+        if self._offload is not None:
+            return 0
+        kept, dropped = self._device_tensors()
+        return StorageOffload(kept, self.device, dropped).nbytes
+
     def pin_offload_memory(self) -> None:
         """Host memory is pinned at the first ``offload`` (kept for the next ones); here its
         size is checked against the host's available memory (``check_offload_fits``)."""
-        if self._offload is None:
-            kept, dropped = self._device_tensors()
-            check_offload_fits(StorageOffload(kept, self.device, dropped).nbytes, megatron=True)
+        check_offload_fits(self.offload_host_bytes(), megatron=True)
 
     def offload(self) -> None:
         """Every device storage of the trainer to pinned host memory, resized to 0 bytes

@@ -538,13 +538,20 @@ class PolicyTrainer:
         hf_export.export_hf(Path(path), weights, config, source, self._ranks())
 
     # -- memory phases --------------------------------------------------------------------------
+    def offload_host_bytes(self) -> int:
+        """The host memory ``pin_offload_memory`` would page-lock (0 where it pins nothing:
+        without CUDA, with ``cpu_offload``, or pinned already)."""
+        if self._host_pool is not None or self.device.type != "cuda" or self.config.cpu_offload:
+            return 0
+        adapters, weights = self._offloads_adapters_only, self.config.offload_weights
+        return offload_bytes(self.model, self.optimizer, adapters, weights)
+
     def pin_offload_memory(self) -> None:
         """Start pinning the host memory offloads will use, in the background (``HostPool``),
-        so the first offload runs at pinned bandwidth. A no-op without CUDA or when called
-        again."""
-        if self._host_pool is None and self.device.type == "cuda" and not self.config.cpu_offload:
-            adapters, weights = self._offloads_adapters_only, self.config.offload_weights
-            num_bytes = offload_bytes(self.model, self.optimizer, adapters, weights)
+        so the first offload runs at pinned bandwidth, after checking the host has it
+        (``check_offload_fits``). A no-op without CUDA or when called again."""
+        num_bytes = self.offload_host_bytes()
+        if num_bytes:
             check_offload_fits(num_bytes)
             self._host_pool = HostPool()
             self._host_pool.start(num_bytes)
