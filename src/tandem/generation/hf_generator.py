@@ -56,6 +56,8 @@ COMPACT_AT = 0.75
 """The decode drops its stopped rows (their KV cache with them) once the rows still decoding
 are this fraction of the batch or fewer: each step then computes only those. Under CUDA graphs
 each compaction captures the step again for the smaller batch (milliseconds)."""
+COMPILE_BACKEND = "inductor"
+"""``torch.compile``'s backend for ``generation.compile`` (Inductor: fused kernels)."""
 SAMPLE_BLOCK = 1 << 22
 """fp32 elements of the block of rows that sampling takes at a time on a CPU (16 MiB): the
 batch's logits stay in the model's dtype, only one block of rows is ever copied to fp32."""
@@ -476,7 +478,7 @@ class HfGenerator(Generator):
             self.compile_layers = False
             return
         for layer in decoder_layers(self.model):
-            layer.compile(dynamic=True)
+            layer.compile(dynamic=True, backend=COMPILE_BACKEND)
         self._compiled = True
 
     def _capture_failed(self) -> bool:
