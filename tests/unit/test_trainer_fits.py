@@ -201,3 +201,29 @@ def test_a_reward_model_counts_what_trains_at_its_widest_and_names_what_fits() -
         QWEN25_7B * 4 + top * 12, QWEN25_7B, top, "float32", H100, "H100", False
     )
     assert fits_top is None
+
+
+def test_each_check_reads_its_device_and_refuses_what_does_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The three device checks (FSDP2, Megatron, reward model) against a device that reports
+    256 bytes (``torch.cuda.get_device_properties``, the one thing read of it): a 10-parameter
+    fp32 model of 8 parameters trained whole takes 128 bytes and fits (Megatron: 128), one of
+    110 does not."""
+    from types import SimpleNamespace
+
+    from tandem.trainer.fits import check_megatron_state_fits, check_reward_model_fits
+
+    tiny = SimpleNamespace(total_memory=256, name="a 256-byte GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: tiny)
+    cuda = torch.device("cuda", 0)
+    small, large = nn.Linear(3, 2, bias=True), nn.Linear(10, 10)  # 8 and 110 parameters
+    check_state_fits(small, PolicyConfig(), 1, cuda)
+    check_reward_model_fits(small, "float32", False, cuda)
+    check_megatron_state_fits(small, PolicyConfig(backend="megatron"), False, True, 1, cuda)
+    with pytest.raises(ConfigError, match="a 256-byte GPU"):
+        check_state_fits(large, PolicyConfig(), 1, cuda)
+    with pytest.raises(ConfigError, match="reward model's training state"):
+        check_reward_model_fits(large, "float32", False, cuda)
+    with pytest.raises(ConfigError, match="Megatron trainer's state"):
+        check_megatron_state_fits(large, PolicyConfig(backend="megatron"), False, True, 1, cuda)

@@ -11,7 +11,7 @@ host memory a colocated trainer's offloads page-lock (``check_offload_fits``).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -82,12 +82,19 @@ def check_state_fits(
     if device.type != "cuda" or config.cpu_offload:
         return
     need, count, trained = state_bytes(module.parameters(), world_size)
-    properties = torch.cuda.get_device_properties(device)
-    problem = state_fit_problem(
-        config, need, count, trained, world_size, properties.total_memory, properties.name
+    refuse_unfit(
+        device,
+        lambda have, name: state_fit_problem(config, need, count, trained, world_size, have, name),
     )
-    if problem is not None:
-        raise ConfigError(problem)
+
+
+def refuse_unfit(device: torch.device, problem: Callable[[int, str], str | None]) -> None:
+    """Raise ``ConfigError`` with what ``problem`` says of ``device``'s memory (its total bytes
+    and its name), if anything."""
+    properties = torch.cuda.get_device_properties(device)
+    message = problem(properties.total_memory, properties.name)
+    if message is not None:
+        raise ConfigError(message)
 
 
 def reward_model_fit_problem(
@@ -130,12 +137,12 @@ def check_reward_model_fits(
     if device.type != "cuda":
         return
     need, count, trained = reward_model_state(module, unfreezes)
-    properties = torch.cuda.get_device_properties(device)
-    problem = reward_model_fit_problem(
-        need, count, trained, dtype, properties.total_memory, properties.name, unfreezes
+    refuse_unfit(
+        device,
+        lambda have, name: reward_model_fit_problem(
+            need, count, trained, dtype, have, name, unfreezes
+        ),
     )
-    if problem is not None:
-        raise ConfigError(problem)
 
 
 def megatron_state_bytes(count: int, bf16: bool, trainable: bool, data_parallel: int) -> int:
@@ -192,12 +199,9 @@ def check_megatron_state_fits(
     )
     count = sum(p.numel() for p in module.parameters())
     need = megatron_state_bytes(count, bf16, trainable, data_parallel)
-    properties = torch.cuda.get_device_properties(device)
-    problem = megatron_fit_problem(
-        config, need, count, world_size, properties.total_memory, properties.name
+    refuse_unfit(
+        device, lambda have, name: megatron_fit_problem(config, need, count, world_size, have, name)
     )
-    if problem is not None:
-        raise ConfigError(problem)
 
 
 def host_fit_problem(
