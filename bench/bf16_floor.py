@@ -51,6 +51,15 @@ def _fp32_residual(model: Any) -> list[Any]:
     return handles
 
 
+class _EagerUpdateCache(transformers.DynamicCache):
+    """transformers' cache with its update outside compiled layers (as the generator's own
+    cache): traced, its per-layer state would recompile the shared layer graph."""
+
+    @torch.compiler.disable
+    def update(self, *args: Any, **kwargs: Any) -> Any:
+        return super().update(*args, **kwargs)
+
+
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return logits.float().log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
 
@@ -74,7 +83,9 @@ def _sample(model: Any, first: torch.Tensor, tokens: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def measure(shape: str, tokens: int, tail: int, seed: int, sharpen: float) -> dict[str, Any]:
+def measure(
+    shape: str, tokens: int, tail: int, seed: int, sharpen: float, compiled: bool = False
+) -> dict[str, Any]:
     torch.manual_seed(seed)
     config = real_config(shape)
     model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
@@ -97,17 +108,36 @@ def measure(shape: str, tokens: int, tail: int, seed: int, sharpen: float) -> di
             handle.remove()
     residual32 = _logprobs(mixed.logits[:, :-1], targets)
     start = tokens - tail  # prefill, then one token at a time
-    cache = transformers.DynamicCache()
-    steps = [model(ids[:, :start], past_key_values=cache, use_cache=True).logits[:, -1:]]
-    for i in range(start, tokens - 1):
-        steps.append(model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
-    decode = _logprobs(torch.cat(steps, dim=1), ids[:, start:])
+
+    def decode_tail() -> torch.Tensor:
+        cache = _EagerUpdateCache()
+        steps = [model(ids[:, :start], past_key_values=cache, use_cache=True).logits[:, -1:]]
+        for i in range(start, tokens - 1):
+            steps.append(model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+        return _logprobs(torch.cat(steps, dim=1), ids[:, start:])
+
+    decode = decode_tail()
     last = slice(start - 1, tokens - 1)
 
     def gap(a: torch.Tensor, b: torch.Tensor) -> float:
         return round(float((a - b).abs().mean()), 5)
 
-    return {
+    both: dict[str, float] = {}
+    if compiled:  # every decoder layer through Inductor, as policy.compile / generation.compile
+        for layer in model.model.layers:
+            layer.compile(dynamic=True)
+        # a layer's index an input, not a constant: all layers share one graph (as the generator)
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            cfull = _logprobs(model(ids, use_cache=False).logits[:, :-1], targets)[:, last]
+            cdecode = decode_tail()
+        both = {
+            "compiled_full_vs_fp32": gap(cfull, fp32[:, last]),
+            "compiled_full_vs_compiled_decode": gap(cfull, cdecode),
+            "compiled_full_vs_eager_decode": gap(cfull, decode),
+            "eager_full_vs_compiled_decode": gap(bf16[:, last], cdecode),
+        }
+
+    return both | {
         "bench": "bf16_floor",
         "shape": shape,
         "layers": config.num_hidden_layers,
@@ -136,11 +166,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sharpen", type=float, nargs="+", default=[1.0])
+    parser.add_argument(
+        "--compiled", action="store_true", help="also with every decoder layer compiled"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for shape in args.shapes:
         for sharpen in args.sharpen:
-            emit(measure(shape, args.tokens, args.tail, args.seed, sharpen))
+            emit(measure(shape, args.tokens, args.tail, args.seed, sharpen, args.compiled))
 
 
 if __name__ == "__main__":
