@@ -192,6 +192,31 @@ def test_auto_generates_with_vllm_where_the_run_has_gpus_or_fp8(
         load_config(GrpoConfig, None, ["generation.backend=hf", "generation.precision=fp8"])
 
 
+def test_generation_compile_follows_the_trainers_layers_unless_set(
+    cpu_machine_with_vllm: list[str],
+) -> None:
+    """Unset, the transformers generator compiles its layers where the trainer compiles its
+    (one side compiled computes other bf16 arithmetic than the other); vLLM and LoRA adapter
+    refits never follow; an explicit setting wins, and an explicit true where auto decides for
+    vLLM is one message before anything starts."""
+
+    def compiled(*overrides: str) -> bool | None:
+        return _spec(*overrides).resolve().generation.compile
+
+    assert compiled() is False
+    assert compiled("policy.compile=true") is True
+    assert compiled("policy.compile=true", "generation.compile=false") is False
+    assert compiled("generation.compile=true") is True
+    assert compiled("policy.compile=true", "generation.backend=vllm") is False
+    lora = load_config(GrpoConfig, "grpo_arithmetic_lora", ["policy.compile=true"])
+    assert lora.generation.compile is False  # adapters refit: the layers would recompile
+    cpu_machine_with_vllm.append("/dev/nvidia0")  # auto decides for vLLM
+    assert compiled("policy.compile=true") is False
+    assert compiled("policy.compile=true", "generation.backend=hf") is True
+    with pytest.raises(ValueError, match="vLLM compiles its own model"):
+        _spec("generation.compile=true").resolve()
+
+
 def test_generation_compile_on_a_machine_that_decides_for_vllm_is_one_message(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

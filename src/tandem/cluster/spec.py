@@ -12,7 +12,13 @@ from typing import Literal
 from tandem import machine
 from tandem.cluster.envs import env_mode
 from tandem.config.megatron import data_parallel_ranks
-from tandem.config.models import ClusterConfig, GenerationConfig, PolicyConfig, RefitConfig
+from tandem.config.models import (
+    COMPILE_NEEDS_HF,
+    ClusterConfig,
+    GenerationConfig,
+    PolicyConfig,
+    RefitConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -34,19 +40,26 @@ class RuntimeSpec:
     scorer_placement: Literal["colocated", "split"] = "colocated"
 
     def resolve(self) -> RuntimeSpec:
-        """This spec with ``generation.backend`` and ``cluster.runtime`` decided: the
-        generator's ``auto`` as ``machine.generator_backend`` says; the runtime's ``auto``
-        becomes ``in_process`` where the run fits one process (``in_process_misfits`` is
-        empty), else ``ray``; an explicit ``in_process`` that does not fit is an error naming
-        every misfit, and so is policy.backend=megatron with no GPU to reach
-        (``machine.megatron_misfit``)."""
+        """This spec with ``generation.backend``, ``generation.compile`` and ``cluster.runtime``
+        decided: the generator's ``auto`` as ``machine.generator_backend`` says; an unset
+        ``compile`` as ``policy.compile`` for the transformers generator (false for vLLM, an
+        explicit true an error there); the runtime's ``auto`` becomes ``in_process`` where the
+        run fits one process (``in_process_misfits`` is empty), else ``ray``; an explicit
+        ``in_process`` that does not fit is an error naming every misfit, and so is
+        policy.backend=megatron with no GPU to reach (``machine.megatron_misfit``)."""
         if self.policy.backend == "megatron":
             self._check_megatron()
         shared = env_mode(self.cluster.env_mode) == "shared"  # $TANDEM_ENV_MODE first
         if shared and self.policy.optimizer.bf16_stochastic_round and find_spec("torchao") is None:
             raise ValueError(LOWBIT_HERE + " (cluster.env_mode=shared runs the trainers here)")
         backend = machine.generator_backend(self.generation, self.cluster.address, shared)
-        generation = self.generation.model_copy(update={"backend": backend})
+        compile_layers = self.generation.compile
+        if compile_layers is None:  # the generator computes as the trainer does
+            compile_layers = self.policy.compile and backend == "hf"
+        elif compile_layers and backend == "vllm":  # auto, decided for vLLM here
+            raise ValueError(COMPILE_NEEDS_HF)
+        update = {"backend": backend, "compile": compile_layers}
+        generation = self.generation.model_copy(update=update)
         spec = dataclasses.replace(self, generation=generation)
         if spec.cluster.runtime == "ray":
             return spec

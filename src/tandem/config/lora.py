@@ -69,7 +69,7 @@ class Generation(Protocol):
     def sleep_level(self) -> int: ...
 
     @property
-    def compile(self) -> bool: ...
+    def compile(self) -> bool | None: ...
 
     @property
     def model_fields_set(self) -> set[str]: ...
@@ -87,7 +87,8 @@ def check_lora_generation(
     has no refit section), the generators must take adapters: raises ValueError naming the fix
     where they cannot. Returns ``generation`` with ``max_lora_rank`` (the rank the engine is
     built for) set when it was unset, and ``sleep_level`` 1 where it was left at its default
-    (a copy): a refit sends no base weights, so a sleeping generator keeps them."""
+    (a copy): a refit sends no base weights, so a sleeping generator keeps them; and
+    ``compile`` false where it would have followed ``policy.compile``."""
     if lora is None or mode != "adapter":
         return generation
     if generation.precision == "fp8":
@@ -108,6 +109,8 @@ def check_lora_generation(
             "each adapter a refit loads; set refit.lora=merged or generation.compile=false"
         )
     update: dict[str, Any] = {}
+    if generation.compile is None:  # it would follow policy.compile
+        update["compile"] = False
     if generation.sleep_level == 2:
         if "sleep_level" in generation.model_fields_set:
             raise ValueError(

@@ -112,9 +112,10 @@ class PolicyConfig(Section):
     """``torch.compile`` each decoder layer (Inductor; one graph for every layer and sequence
     length, built in the first step). Fewer, fused kernels: on an H100 at the 1.5B shape the
     train phase's MFU rose from 0.298 to 0.361 with activation checkpointing and its peak
-    memory fell by 13 GiB without. Fused bf16 arithmetic rounds differently from the eager
-    generator's, which raises the bf16 logprob mismatch (0.5B: 0.0108 against 0.0086-0.0089).
-    On a CPU it needs a C++ compiler."""
+    memory fell by 13 GiB without. Fused bf16 arithmetic rounds differently from eager layers'
+    so the transformers generator compiles its layers with it (``generation.compile`` unset):
+    one side compiled raised the bf16 logprob mismatch, both sides lowered it. On a CPU it
+    needs a C++ compiler (and the generator stays eager there)."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; gradients accumulate over the micro-batches of a step."""
     max_tokens_per_micro_batch: int | None = Field(16384, ge=1)
@@ -218,11 +219,15 @@ class GenerationConfig(Section):
     (a refit sends no base weights)."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (required on CPU, faster start for tiny models)."""
-    compile: bool = False
+    compile: bool | None = None
     """The transformers generator (backend hf) on a GPU: ``torch.compile`` its decoder layers
     (Inductor, as ``policy.compile``; built at the first decode), so a decode step replays
-    fewer, fused kernels. vLLM compiles its own model (``enforce_eager=false``). On a CPU the
-    generator decodes without it."""
+    fewer, fused kernels (H100, 1.5B x 2048 tokens: -29 % a decode step's model call, -18 % the
+    GRPO step). None (the default): as ``policy.compile``, because a compiled side computes
+    different bf16 arithmetic from an eager one (fused intermediates in fp32): compiling one
+    side only raised the 1.5B shape's logprob mismatch 0.016 -> 0.023, both sides lowered it
+    (docs/benchmarks/2026-12-07-trained-floor.md). vLLM compiles its own model
+    (``enforce_eager=false``). On a CPU the generator decodes without it."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """The generator's weights and compute dtype. auto: the trainer's compute dtype (bfloat16
     with policy.mixed_precision or policy.dtype bfloat16, else float32), so generator and

@@ -30,7 +30,7 @@ def make_generator(
             device=device,
             dtype=dtype,
             sleep_level=config.sleep_level,
-            compile_layers=config.compile and device != "cpu",
+            compile_layers=bool(config.compile) and device != "cpu",
         )
     if config.compile:  # backend auto, decided for vLLM on this machine
         from tandem.config.load import ConfigError
