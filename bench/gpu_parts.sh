@@ -35,6 +35,8 @@
 #                loss's extra memory at 16,384 tokens (bench/chunked_loss_memory.py)         ~300 s
 #   train-pack   the train phase at 1.5B with new random lengths every step (as train-spread):
 #                padded micro-batches, packed ones (policy.packing), compiled layers      ~250 s
+#   trained-floor  a 1.5B-shape model trained for 210 s on the standard library's sources: its
+#                bf16 full-sequence/decode logprob gap as it trains (bench/trained_floor.py) ~330 s
 #   cell-0.5b    tandem's side of the real-scale cell 0.5B x 2048 (cell-0.5b-trl: TRL's, in its
 #                own call: its first step alone took over 190 s on an H100)                  ~560 s
 #   cell-1.5b    tandem's side of the 1.5B cell (cell-1.5b-trl: TRL's, in its own call)      ~560 s
@@ -44,8 +46,8 @@
 #   cell-...-512, cell-...-4096  any cell above with at most 512 / 4096 new tokens (mean a
 #                quarter of it) instead of 2048, TRL's micro-batch 32 / 4 instead of 8 (the
 #                same tokens), e.g. cell-0.5b-4096, cell-0.5b-trl-512
-#                SET="generation.compile=true policy.packing=true" adds those overrides to
-#                tandem's side of any cell
+#                SET="policy.compile=true policy.packing=true" adds those overrides to
+#                tandem's side of any cell (policy.compile: the generator's layers compile too)
 #   cell-tiny    the cells' path at a tiny shape (a check on a CPU: TRL_PYTHON, a Python with TRL)
 #   brief        where device time is short, one figure of each open question: the onload shapes
 #                of pinned_rate, the transformers generator's GPU tests, the 1.5B train phase
@@ -58,7 +60,7 @@ for part in "$@"; do
     case $part in
         offload | lora-refit | lora-phases | lora-trl | tests | decode | train-mfu | brief) ;;
         decode-compile) ;;
-        train-spread | train-pack) ;;
+        train-spread | train-pack | trained-floor) ;;
         cell-*)
             base=$part
             case $part in *-512 | *-4096) base=${part%-*} ;; esac
@@ -140,6 +142,8 @@ for part in "$@"; do
                     --micro-batch-size 64 --max-tokens-per-micro-batch 65536
             done
             run train-spread 60 python3 bench/chunked_loss_memory.py --tokens 16384 --hidden 1536 ;;
+        trained-floor)
+            run trained-floor 400 python3 bench/trained_floor.py --shape 1.5b --train-s 210 ;;
         train-pack)
             run train-pack 260 python3 bench/train_phase_profile.py --shape 1.5b --sequences 64 \
                 --length 2048 --steps 4 --spread --settings fsdp_mp_ac fsdp_mp_ac_pack \
