@@ -252,6 +252,7 @@ RESUMABLE = (
     "generation.gpu_memory_utilization",
     "generation.sleep_level",
     "generation.enforce_eager",
+    "generation.compile",
     "refit.timeout_s",
     "refit.bucket_bytes",
     "refit.logprob_mismatch_alarm",
