@@ -60,7 +60,9 @@ class _EagerUpdateCache(transformers.DynamicCache):
         return super().update(*args, **kwargs)
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each token's logprob under ``logits`` (fp32 softmax; ``tokens`` as logits without their
+    last dimension)."""
     return logits.float().log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
 
 
@@ -94,19 +96,19 @@ def measure(
     ids = _sample(model, torch.randint(0, config.vocab_size - 2000, (1, 1)), tokens)
     targets = ids[:, 1:]
     ref = model(ids, output_hidden_states=True)
-    fp32 = _logprobs(ref.logits[:, :-1], targets)
+    fp32 = token_logprobs(ref.logits[:, :-1], targets)
     head = model.lm_head.weight.detach().clone()
     model.to(torch.bfloat16)
     full = model(ids, output_hidden_states=True)
-    bf16 = _logprobs(full.logits[:, :-1], targets)
-    head32 = _logprobs((full.hidden_states[-1].float() @ head.T)[:, :-1], targets)
+    bf16 = token_logprobs(full.logits[:, :-1], targets)
+    head32 = token_logprobs((full.hidden_states[-1].float() @ head.T)[:, :-1], targets)
     handles = _fp32_residual(model)
     try:
         mixed = model(ids, output_hidden_states=True)
     finally:
         for handle in handles:
             handle.remove()
-    residual32 = _logprobs(mixed.logits[:, :-1], targets)
+    residual32 = token_logprobs(mixed.logits[:, :-1], targets)
     start = tokens - tail  # prefill, then one token at a time
 
     def decode_tail() -> torch.Tensor:
@@ -114,7 +116,7 @@ def measure(
         steps = [model(ids[:, :start], past_key_values=cache, use_cache=True).logits[:, -1:]]
         for i in range(start, tokens - 1):
             steps.append(model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
-        return _logprobs(torch.cat(steps, dim=1), ids[:, start:])
+        return token_logprobs(torch.cat(steps, dim=1), ids[:, start:])
 
     decode = decode_tail()
     last = slice(start - 1, tokens - 1)
@@ -128,7 +130,7 @@ def measure(
             layer.compile(dynamic=True)
         # a layer's index an input, not a constant: all layers share one graph (as the generator)
         with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
-            cfull = _logprobs(model(ids, use_cache=False).logits[:, :-1], targets)[:, last]
+            cfull = token_logprobs(model(ids, use_cache=False).logits[:, :-1], targets)[:, last]
             cdecode = decode_tail()
         both = {
             "compiled_full_vs_fp32": gap(cfull, fp32[:, last]),

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import transformers
+from bf16_floor import token_logprobs
 from ceilings import emit
 
 from tandem.assets.real_shapes import build_tokenizer, real_config
@@ -54,10 +55,6 @@ def corpus_ids(megabytes: float) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return logits.float().log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
-
-
 @torch.no_grad()
 def measure(model: Any, prompts: torch.Tensor, new_tokens: int, seed: int) -> dict[str, float]:
     """Sample ``new_tokens`` after each prompt row from a bf16 copy, one token at a time, then
@@ -70,17 +67,17 @@ def measure(model: Any, prompts: torch.Tensor, new_tokens: int, seed: int) -> di
     for _ in range(new_tokens):
         probs = logits.float().softmax(-1)
         token = torch.multinomial(probs, 1, generator=generator)
-        decoded.append(logits.float().log_softmax(-1).gather(-1, token))
+        decoded.append(token_logprobs(logits, token[:, 0])[:, None])
         ids = torch.cat([ids, token], dim=1)
         logits = bf16(token, past_key_values=cache, use_cache=True).logits[:, -1]
     decode = torch.cat(decoded, dim=1)
     start = prompts.shape[1]
     sampled = ids[:, start:]
-    full = _logprobs(bf16(ids).logits[:, start - 1 : -1], sampled)
+    full = token_logprobs(bf16(ids).logits[:, start - 1 : -1], sampled)
     del bf16, cache
     was_training = model.training
     model.eval()
-    fp32 = _logprobs(model(ids).logits[:, start - 1 : -1], sampled)
+    fp32 = token_logprobs(model(ids).logits[:, start - 1 : -1], sampled)
     model.train(was_training)
     return {
         "mean_logprob": round(float(decode.mean()), 4),
