@@ -217,6 +217,30 @@ def test_generation_compile_follows_the_trainers_layers_unless_set(
         _spec("generation.compile=true").resolve()
 
 
+def test_every_key_the_runtime_decides_may_differ_on_resume(
+    cpu_machine_with_vllm: list[str],
+) -> None:
+    """The saved config records what ``RuntimeSpec.resolve`` decided (the backend, the
+    runtime, the generator's compile); a resumed run loads the unresolved one, or one saved by
+    an earlier version: each key resolve may change is one ``--resume`` accepts."""
+    from tandem.runs import RESUMABLE, _flatten
+
+    def decided(*overrides: str) -> list[str]:
+        spec = _spec(*overrides)
+        resolved = spec.resolve()
+        before = _flatten({"cluster": spec.cluster.model_dump(mode="json")})
+        before |= _flatten({"generation": spec.generation.model_dump(mode="json")})
+        after = _flatten({"cluster": resolved.cluster.model_dump(mode="json")})
+        after |= _flatten({"generation": resolved.generation.model_dump(mode="json")})
+        return [key for key in before if before[key] != after[key]]
+
+    changed = decided() + decided("policy.compile=true")
+    cpu_machine_with_vllm.append("/dev/nvidia0")
+    changed += decided("policy.compile=true") + decided("cluster.runtime=ray")
+    assert {"generation.backend", "generation.compile", "cluster.runtime"} <= set(changed)
+    assert [key for key in changed if not key.startswith(RESUMABLE)] == []
+
+
 def test_generation_compile_on_a_machine_that_decides_for_vllm_is_one_message(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
