@@ -112,6 +112,7 @@ def run_tandem(path: Path, args: argparse.Namespace, run_dir: Path) -> list[dict
         f"generation.sampling.max_tokens={args.max_tokens}",
         "data.reward=e2e_rewards:digit_fraction",
         "checkpoint.enabled=false",
+        "checkpoint.export_hf=false",  # a 7B run's 15 GB export filled a 64 GB disk
         "logging.progress=false",
         "logging.tensorboard=false",
         f"logging.run_dir={run_dir}",

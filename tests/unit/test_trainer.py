@@ -146,8 +146,8 @@ def test_activation_checkpointing_keeps_names_and_gradients(model_dir: Path) -> 
 
 def test_compiled_layers_keep_names_and_train_like_eager(model_dir: Path) -> None:
     """policy.compile with checkpointing: the same names, logprobs and gradients as the eager
-    trainer (Inductor's fused kernels round differently: 1e-5), and rows of another length run
-    the graphs already compiled instead of compiling again."""
+    trainer (Inductor's fused kernels round differently: 1e-5), and rows of another length, or
+    sequences that share a prompt, run the graphs already compiled instead of compiling again."""
     from torch._dynamo.utils import counters
 
     eager = PolicyTrainer(policy(model_dir, activation_checkpointing=True))
@@ -170,6 +170,29 @@ def test_compiled_layers_keep_names_and_train_like_eager(model_dir: Path) -> Non
         eager.train(longer, token_nll)["loss"], rel=1e-5
     )
     assert counters["stats"]["unique_graphs"] == graphs
+    # GRPO's groups: one long prompt, short completions, where the eager trainer computes the
+    # prompt once under a mask; the compiled layers run them padded, as every other batch
+    shared = prompt_group(prompt=14, completions=[2, 3, 1, 3])
+    assert any(mb.packed is not None for mb, _ in eager._micro_batches(shared))
+    assert all(mb.packed is None for mb, _ in compiled._micro_batches(shared))
+    assert compiled.train(shared, token_nll)["loss"] == pytest.approx(
+        eager.train(shared, token_nll)["loss"], rel=1e-5
+    )
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def prompt_group(prompt: int, completions: list[int]) -> TrainBatch:
+    """Sequences that start with one ``prompt``-token prompt, right-padded, the loss on their
+    own tokens."""
+    width = prompt + max(completions)
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 50, (len(completions), width), generator=generator)
+    ids[:, :prompt] = ids[0, :prompt]
+    lengths = torch.tensor([prompt + n for n in completions])
+    attention = (torch.arange(width)[None] < lengths[:, None]).long()
+    loss_mask = attention.float()
+    loss_mask[:, :prompt] = 0
+    return TrainBatch(ids * attention, attention, loss_mask)
 
 
 def test_iter_weights_round_trip_into_a_fresh_hf_model(model_dir: Path) -> None:

@@ -136,7 +136,8 @@ class PolicyConfig(Section):
     DPO's pairs) once: each sequence's own tokens attend to it through an explicit mask. A
     micro-batch takes this layout where it is estimated cheaper (long completions make the
     dense mask cost more than the prompt saves) and the model's attention takes such a mask
-    (sdpa or eager, no sliding windows); gives the padded path's loss and gradients."""
+    (sdpa or eager, no sliding windows); gives the padded path's loss and gradients. Not with
+    ``compile``: compiled layers take one form of call for the whole run."""
     logprob_chunk_size: int = Field(1024, ge=1)
     """Tokens per chunk when computing logprobs, so full-vocabulary fp32 logits are never
     materialised for the whole batch."""
