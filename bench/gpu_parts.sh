@@ -37,6 +37,8 @@
 #                padded micro-batches, packed ones (policy.packing), compiled layers      ~250 s
 #   trained-floor  a 1.5B-shape model trained for 210 s on the standard library's sources: its
 #                bf16 full-sequence/decode logprob gap as it trains (bench/trained_floor.py) ~330 s
+#   trained-floor-7b  the same at the 7B shape, trained as the 80 GB recipe does (bf16 weights
+#                and AdamW state, stochastic rounding, checkpointing: --bf16-state)           ~450 s
 #   cell-0.5b    tandem's side of the real-scale cell 0.5B x 2048 (cell-0.5b-trl: TRL's, in its
 #                own call: its first step alone took over 190 s on an H100)                  ~560 s
 #   cell-1.5b    tandem's side of the 1.5B cell (cell-1.5b-trl: TRL's, in its own call)      ~560 s
@@ -60,7 +62,7 @@ for part in "$@"; do
     case $part in
         offload | lora-refit | lora-phases | lora-trl | tests | decode | train-mfu | brief) ;;
         decode-compile) ;;
-        train-spread | train-pack | trained-floor) ;;
+        train-spread | train-pack | trained-floor | trained-floor-7b) ;;
         cell-*)
             base=$part
             case $part in *-512 | *-4096) base=${part%-*} ;; esac
@@ -144,6 +146,9 @@ for part in "$@"; do
             run train-spread 60 python3 bench/chunked_loss_memory.py --tokens 16384 --hidden 1536 ;;
         trained-floor)
             run trained-floor 400 python3 bench/trained_floor.py --shape 1.5b --train-s 210 ;;
+        trained-floor-7b)
+            run trained-floor-7b 560 python3 bench/trained_floor.py --shape 7b --bf16-state \
+                --batch 4 --lr 3e-4 --train-s 300 ;;
         train-pack)
             run train-pack 260 python3 bench/train_phase_profile.py --shape 1.5b --sequences 64 \
                 --length 2048 --steps 4 --spread --settings fsdp_mp_ac fsdp_mp_ac_pack \
