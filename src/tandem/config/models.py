@@ -114,8 +114,9 @@ class PolicyConfig(Section):
     train phase's MFU rose from 0.298 to 0.361 with activation checkpointing and its peak
     memory fell by 13 GiB without. Fused bf16 arithmetic rounds differently from eager layers'
     so the transformers generator compiles its layers with it (``generation.compile`` unset):
-    one side compiled raised the bf16 logprob mismatch, both sides lowered it. On a CPU it
-    needs a C++ compiler (and the generator stays eager there)."""
+    one side compiled raised the bf16 logprob mismatch, both sides lowered it. Micro-batches
+    then take no shared-prompt layout (``share_prompts``): one form of call, one graph. On a CPU
+    it needs a C++ compiler (and the generator stays eager there)."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; gradients accumulate over the micro-batches of a step."""
     max_tokens_per_micro_batch: int | None = Field(16384, ge=1)
