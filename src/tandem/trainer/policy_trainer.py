@@ -166,8 +166,8 @@ class PolicyTrainer:
         """``plan_micro_batches``' attention_cost: None computes every sequence's prompt.
         Compiled layers (``policy.compile``) take none: a shared prompt's micro-batch calls the
         layers with a mask where the padded one passes None, and each such form of call is a
-        graph of its own, compiled when it first comes (a 1.5B train phase of 47-82 s instead of
-        6 s in each of the first steps on an H100, the compiler's limit of 8 reached by step 3)."""
+        graph of its own, compiled when it first comes (on an H100 a 1.5B train phase of 47-82 s
+        instead of 6 s in each of the first three steps)."""
         self.stays_gathered = stays_gathered(config, world_size, self.lm, self.device)
         """FSDP2 keeps the parameters gathered through a train step (``parallelize``)."""
         self.patch_cost = vision_patch_cost(self.lm)
