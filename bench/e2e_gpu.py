@@ -77,6 +77,7 @@ PER_STEP = (
     "timing/decode_compact_s",
     "throughput/decode_steps",
     "throughput/decode_row_steps",
+    "throughput/decode_parked",
     "train/reward_mean",
     "train/response_len_mean",
     "throughput/tokens_per_s",

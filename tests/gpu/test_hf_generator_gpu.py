@@ -46,6 +46,32 @@ def test_graphed_decode_matches_the_dynamic_cache(
         assert g.response_logprobs == pytest.approx(direct.tolist(), abs=1e-4)
 
 
+def test_a_decode_under_a_byte_budget_grows_its_cache_and_parks_rows_under_cuda_graphs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the CPU test of the bounded decode, with the captures real: a graph over each grown
+    storage, rows parked and resumed, and the samples of the decode without a bound."""
+    from tandem.generation import static_decode
+    from tandem.generation.kv_cache import DECODE_HEADROOM, row_bytes
+
+    monkeypatch.setattr(static_decode, "CACHE_BUCKET", 4)
+    generator = HfGenerator(DEFAULT_MODEL_DIR, device="cuda:0", dtype="float32")
+    prompts = [generator.tokenizer.encode(p, add_special_tokens=False) for p in ["17+25=", "3-1="]]
+    params = SamplingParams(temperature=10.0, max_tokens=64, n=8, seed=5)
+    whole = generator.generate(prompts, params)
+    config, width = generator.model.config, max(len(p) for p in prompts)
+    grow = 1 + 1 / config.num_hidden_layers
+    budget = int(16 * row_bytes(config, torch.float32, width, 2) * grow) + 1
+    monkeypatch.setattr(generator, "_free_bytes", lambda: DECODE_HEADROOM + budget)
+    generator.take_stats()
+    bounded = generator.generate(prompts, params)
+    assert generator.cuda_graphs  # the captures held
+    assert generator.take_stats()["throughput/decode_parked"] > 0
+    assert [r.response_token_ids for r in bounded] == [r.response_token_ids for r in whole]
+    for b, w in zip(bounded, whole, strict=True):
+        assert b.response_logprobs == pytest.approx(w.response_logprobs, rel=1e-4, abs=1e-4)
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_in_flight_refit_under_cuda_graphs(k: int) -> None:
     gen = HfGenerator(DEFAULT_MODEL_DIR, device="cuda:0", dtype="float32")

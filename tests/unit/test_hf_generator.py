@@ -447,6 +447,77 @@ def test_the_static_decode_reads_the_cache_in_windows_with_the_whole_reads_sampl
         assert w.response_logprobs == pytest.approx(a.response_logprobs, abs=1e-5)
 
 
+def test_the_static_decode_holds_the_cache_its_rows_reached_and_parks_what_outgrows_it(
+    generator: HfGenerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU's decode under a byte budget (the device's free memory, given here): the rows
+    whose first window fits decode together (a cache of every row to the cap would not fit:
+    they would decode in chunks), the cache grows with the window and stays within the
+    budget; where growing would not fit, rows wait and go on later from a prefill of what they
+    had decoded. The samples are those of a decode without a bound."""
+    from tandem.generation import static_decode
+    from tandem.generation.kv_cache import (
+        DECODE_HEADROOM,
+        WindowedLayer,
+        decode_rows,
+        kv_bytes_per_position,
+        row_bytes,
+    )
+
+    ids = _prompt_ids(generator)
+    # so hot that most rows run to the cap
+    params = SamplingParams(temperature=10.0, max_tokens=64, n=8, seed=5)
+    width, config = max(len(p) for p in ids), generator.model.config
+    layers = config.num_hidden_layers
+    budget = int(24 * row_bytes(config, torch.float32, width, 2) * (1 + 1 / layers)) + 1
+    free = DECODE_HEADROOM + budget
+    assert decode_rows(24, 256, row_bytes(config, torch.float32, width, 64), layers, free) < 12
+    held: list[tuple[int, int]] = []  # a decode step's (bytes of the cache, positions - window)
+    update = WindowedLayer.update
+
+    def recorded(self: WindowedLayer, *args: object, **kwargs: object) -> object:
+        out = update(self, *args, **kwargs)  # type: ignore[arg-type]
+        assert self.storage is not None
+        storage = self.storage[0]
+        if args[0].shape[2] == 1:  # type: ignore[attr-defined]
+            held.append((2 * layers * storage.nbytes, storage.shape[2] - self.keys.shape[2]))
+        return out
+
+    calls: list[tuple[int, int]] = []  # (rows, positions) of each model call
+    hook = generator.model.register_forward_pre_hook(
+        lambda _m, _a, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    monkeypatch.setattr(static_decode, "CACHE_BUCKET", 4)
+    generator.static_cache = True
+    try:
+        whole = generator.generate(ids, params)
+        calls[:] = []
+        monkeypatch.setattr(WindowedLayer, "update", recorded)
+        monkeypatch.setattr(generator, "_free_bytes", lambda: free)
+        generator.take_stats()
+        bounded = generator.generate(ids, params)
+        parked = generator.take_stats()["throughput/decode_parked"]
+    finally:
+        generator.static_cache = False
+        hook.remove()
+    assert sum(len(r.response_token_ids) == 64 for r in whole) > 12
+    prefills = [(i, shape) for i, shape in enumerate(calls) if shape[1] > 1]
+    assert prefills[0] == (0, (24, width))  # every row in one decode
+    resumed = prefills[1:]
+    assert resumed and all(rows < 24 and positions > width for _, (rows, positions) in resumed)
+    assert parked == sum(rows for _, (rows, _) in resumed)  # each waited once
+    assert all(window == 0 for _, window in held)  # the storage is the window: it grew
+    assert len({nbytes for nbytes, _ in held}) > 4
+    assert max(nbytes for nbytes, _ in held) <= budget
+    per_position = kv_bytes_per_position(config, torch.float32)
+    assert max(nbytes for nbytes, _ in held) > per_position * 24 * (width + 2)
+    assert [r.response_token_ids for r in bounded] == [r.response_token_ids for r in whole]
+    assert [r.finish_reason for r in bounded] == [r.finish_reason for r in whole]
+    assert [r.response_versions for r in bounded] == [r.response_versions for r in whole]
+    for b, w in zip(bounded, whole, strict=True):  # (fp32: other batches, a prefill for steps)
+        assert b.response_logprobs == pytest.approx(w.response_logprobs, rel=1e-4, abs=1e-5)
+
+
 def test_folded_decode_attention_equals_attention_over_repeated_heads() -> None:
     """A decode step's grouped query heads folded into rows of their key/value head give the
     attention over keys and values copied per query head (transformers' way), masked rows
@@ -675,6 +746,7 @@ def test_the_decode_reports_where_its_time_went(
     steps = max(len(r.response_token_ids) for r in rollouts)
     assert stats["throughput/decode_steps"] == steps
     assert stats["throughput/decode_row_steps"] == len(rollouts) * steps
+    assert stats["throughput/decode_parked"] == 0  # (a CPU's decode has no memory bound)
     parts = ["prefill", "forward", "sample", "bookkeeping"]
     assert all(stats[f"timing/decode_{part}_s"] > 0 for part in parts[:1] + parts[2:])
     if steps > 1:

@@ -62,3 +62,30 @@ def test_a_windowed_layer_writes_at_the_window_positions_and_shows_its_length() 
     window.positions = torch.tensor([4])
     keys, _ = layer.update(step[:1], step[:1])
     assert keys.shape == (1, 2, 8, 4) and torch.equal(keys[0, :, :3], prompt[1])
+
+
+def test_a_windowed_layer_grows_keeping_what_it_wrote() -> None:
+    """Storage for the window so far, grown as the window grows: the positions written stay,
+    the new ones are empty, and writes go on at the window's positions (after rows left too)."""
+    window = CacheWindow(torch.arange(3), 3)
+    layer = WindowedLayer(capacity=4, window=window)
+    prompt = torch.randn(2, 2, 3, 4)
+    layer.update(prompt, prompt + 1)
+    assert layer.storage is not None and layer.storage[0].shape[2] == 4
+    assert layer.storage_dtype() == torch.float32
+    layer.grow(8)
+    assert layer.capacity == 8 and layer.storage[0].shape[2] == 8
+    assert torch.equal(layer.storage[0][:, :, :3], prompt)
+    assert torch.equal(layer.storage[1][:, :, :3], prompt + 1)
+    assert not layer.storage[0][:, :, 3:].any()
+    window.positions, window.length = torch.tensor([6]), 8
+    step = torch.randn(2, 2, 1, 4)
+    keys, _ = layer.update(step, step)
+    assert keys.shape == (2, 2, 8, 4) and torch.equal(keys[:, :, 6:7], step)
+    assert torch.equal(keys[:, :, :3], prompt) and not keys[:, :, 3:6].any()
+    layer.batch_select_indices(torch.tensor([1]))
+    layer.grow(12)
+    assert layer.keys.shape == (1, 2, 12, 4)
+    assert torch.equal(layer.keys[0, :, 6:7], step[1]) and torch.equal(
+        layer.values[0, :, :3], prompt[1] + 1
+    )

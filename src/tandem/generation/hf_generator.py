@@ -16,7 +16,9 @@ On a GPU the decode steps run over a static KV cache with a prepared attention m
 windows of the positions written so far (``static_decode``), and each step is one CUDA graph
 replay: a small model's decode step is otherwise bound by the launch of its hundreds of
 kernels, not by the GPU. When rows leave, the cache keeps only the others and the graph is
-captured again for the smaller batch.
+captured again for the smaller batch. The cache holds the positions the rows reached (it grows
+with the window), so the rows decode together where their first window fits the device; rows
+whose growth would not fit wait, and go on from a prefill of their tokens once the others end.
 """
 
 from __future__ import annotations
@@ -38,13 +40,14 @@ from tandem.adapters import is_adapter_name
 from tandem.attention import full_attention_only
 from tandem.config.load import ConfigError
 from tandem.data.images import RowImages, own_prompt
+from tandem.generation import static_decode
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
 from tandem.generation.hf_adapters import PeftAdapter
 from tandem.generation.hf_vision import ImagePrefill, load_generation_model, same_prefill
-from tandem.generation.kv_cache import decode_rows, row_bytes
+from tandem.generation.kv_cache import decode_budget, decode_rows, row_bytes, rows_that_prefill
 from tandem.generation.packed_linear import pack_linears
 from tandem.generation.phase_clock import PhaseClock
-from tandem.generation.static_decode import Decoder, StaticDecode
+from tandem.generation.static_decode import Decoder, StaticDecode, window_length
 from tandem.tensors import TargetRuns, device_copies
 from tandem.tensors.devices import DTYPES, release_device_caches
 from tandem.tensors.packed import PackedStream
@@ -292,8 +295,8 @@ class HfGenerator(Generator):
         at_once = self.rows_at_once(len(rows), width, params.max_tokens)
         if at_once < min(len(rows), self.max_batch_size):
             log.info(
-                "hf generator: %d rows decode %d at a time (the device's free memory holds the "
-                "KV caches of that many rows of %d + %d positions)",
+                "hf generator: %d rows decode %d at a time (what the device's free memory holds "
+                "for rows of %d + %d positions)",
                 len(rows), at_once, width, params.max_tokens,
             )  # fmt: skip
         rollouts: list[Rollout] = []
@@ -323,25 +326,40 @@ class HfGenerator(Generator):
 
     def rows_at_once(self, total: int, width: int, steps: int) -> int:
         """``decode_rows`` for ``total`` rows of ``width`` prompt positions and ``steps`` new
-        tokens; on a GPU against the memory free now (the KV cache is allocated for the whole
-        decode at its start). Raises ``ConfigError`` where not one row fits."""
-        free = None
-        if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0] + (
-                torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            )
-        config = self.model.config
-        each = row_bytes(config, self.model.dtype, width, steps)
+        tokens; on a GPU against the memory free now. The windowed static decode (a GPU's, for
+        models of full attention) takes the rows whose first window fits (its cache grows
+        with the rows' positions, and rows that would outgrow the memory wait: ``room``);
+        other decodes allocate every row's cache to the cap at their start. Raises
+        ``ConfigError`` where not one row fits to the cap (a row prefilled again near the cap:
+        a resumed or refit row's)."""
+        free = self._free_bytes()
+        config, dtype = self.model.config, self.model.dtype
         layers = (getattr(config, "text_config", None) or config).num_hidden_layers
-        at_once = decode_rows(total, self.max_batch_size, each, layers, free)
-        if at_once == 0:
+        whole = row_bytes(config, dtype, width + steps, 0)
+        if decode_rows(1, 1, whole, layers, free) == 0:
             raise ConfigError(
                 f"generation: one row of a {width}-token prompt and generation.sampling."
-                f"max_tokens={steps} new tokens needs {each / 1e9:.2f} GB of the generator's GPU "
-                f"(its KV cache, prefill and logits); {(free or 0) / 1e9:.2f} GB are free: lower "
-                "generation.sampling.max_tokens or shorten the prompts"
+                f"max_tokens={steps} new tokens needs {whole / 1e9:.2f} GB of the generator's "
+                f"GPU (its KV cache, prefill and logits); {(free or 0) / 1e9:.2f} GB are free: "
+                "lower generation.sampling.max_tokens or shorten the prompts"
             )
-        return at_once
+        first = steps
+        if self._windowed():
+            first = window_length(width + 1, width + steps, static_decode.CACHE_BUCKET) - width
+        each = row_bytes(config, dtype, width, first)
+        return decode_rows(total, self.max_batch_size, each, layers, free)
+
+    def _free_bytes(self) -> int | None:
+        """Bytes the device has free for a decode now (its own free memory and what the
+        caching allocator holds unused); None on a CPU (no bound)."""
+        if self.device.type != "cuda":
+            return None
+        unused = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return torch.cuda.mem_get_info(self.device)[0] + unused
+
+    def _windowed(self) -> bool:
+        """The decode runs over ``StaticDecode``'s windowed cache (it grows with the rows)."""
+        return self.static_cache and full_attention_only(self.model.config)
 
     @torch.inference_mode()
     def _generate_batch(
@@ -368,53 +386,91 @@ class HfGenerator(Generator):
         lengths = torch.zeros(size, dtype=torch.long, device=self.device)
         stopped = torch.zeros(size, dtype=torch.bool, device=self.device)
         stop_cut: dict[int, str] = {}
-        versions: list[int] = []  # of the weights each step ran with
-        rows: torch.Tensor | None = None  # the rows still decoded (None: all), in batch order
+        row_versions = torch.zeros((size, steps), dtype=torch.long)  # (host) weights of each token
+        rows: torch.Tensor | None = None  # the rows decoded now (None: all), in batch order
+        on_host: slice | torch.Tensor = slice(None)  # the same, on the host
+        member = torch.ones(size, dtype=torch.bool, device=self.device)  # in the decode now
+        waiting: list[tuple[int, torch.Tensor]] = []  # parked rows: (the step they resume at, rows)
+        budget = decode_budget(self._free_bytes())
         token = tokens[:, 0]
         clock = PhaseClock(self.device)
         clock.start()
-        row_steps = 0
-        for step in range(steps):
+        step, row_steps, decode_steps, parks, weights, fresh = 0, 0, 0, 0, None, True
+        while True:
             with self.gate.step() as version:  # a refit lands between two of these
-                if not versions or version != versions[-1]:  # the start, or new weights
-                    logits, advance, keep = self._prefill(
+                if fresh or version != weights:  # the start, resumed rows, or new weights
+                    logits, advance, keep, room = self._prefill(
                         _pick(input_ids, rows),
                         _pick(valid, rows),
                         _pick(tokens, rows)[:, :step],
                         steps,
                         images if images is None or rows is None else images.select(rows.cpu()),
+                        budget,
                     )
-                    first = step
+                    first, fresh, weights = step, False, version
                     clock.mark("prefill")
                 else:
                     logits = advance(_pick(token, rows), step - 1 - first)
                     clock.mark("forward")
                 token, logprob = self._sample(logits, _pick(keys, rows), step, params)
                 clock.mark("sample")
-            versions.append(version)
+            row_versions[on_host, step] = version
+            decode_steps += 1
             row_steps += size if rows is None else len(rows)
-            if rows is not None:  # back to the whole batch; the rows left out have stopped
+            if rows is not None:  # back to the whole batch; the rows left out stopped or wait
                 token = torch.full_like(lengths, self.pad_token_id).index_copy_(0, rows, token)
                 logprob = logprobs.new_zeros(size).index_copy_(0, rows, logprob)
-            active = ~stopped
-            tokens[:, step] = torch.where(active, token, self.pad_token_id)
-            logprobs[:, step] = torch.where(active, logprob, 0.0)
+            active = member & ~stopped
+            tokens[:, step] = torch.where(active, token, tokens[:, step])
+            logprobs[:, step] = torch.where(active, logprob, logprobs[:, step])
             lengths += active
             stopped |= active & torch.isin(token, eos)
             if params.stop:
                 self._cut_stop_strings(tokens, lengths, stopped, stop_cut, params.stop)
-            decoding = int((~stopped).sum())  # the step's one host sync (rows left out stopped)
+            decoding = int((member & ~stopped).sum())  # the step's one host sync
             clock.mark("bookkeeping")
             if step + 1 == steps or decoding == 0:
-                break
+                if not waiting:
+                    break
+                step, rows = waiting.pop()  # parked rows go on where they stopped
+                resumed = self._resumable(len(rows), width + step, width + steps, budget)
+                if resumed < len(rows):
+                    waiting.append((step, rows[resumed:]))
+                    rows = rows[:resumed]
+                member.zero_()[rows] = True
+                on_host, fresh = rows.cpu(), True
+                continue
             batch = size if rows is None else len(rows)
-            if keep is not None and decoding <= batch * COMPACT_AT:  # drop the stopped rows
-                index = (~_pick(stopped, rows)).nonzero().flatten()
+            fit = batch if room is None else room(step - first)  # the next step's rows
+            if keep is not None and (decoding <= batch * COMPACT_AT or fit < batch):
+                index = (~_pick(stopped, rows)).nonzero().flatten()  # drop the stopped rows
+                ids = _pick(torch.arange(size, device=self.device), rows)
+                if decoding > fit:  # and those the memory cannot take on: they wait
+                    waiting.append((step + 1, ids[index[fit:]]))
+                    index = index[:fit]
+                    parks += decoding - fit
+                    log.info(
+                        "hf generator: %d of %d rows wait after %d tokens (their KV cache "
+                        "would outgrow the device's free memory); they go on after the others",
+                        decoding - fit, decoding, step + 1,
+                    )  # fmt: skip
                 keep(index)
-                rows = _pick(torch.arange(size, device=self.device), rows)[index]
+                rows = ids[index]
+                member.zero_()[rows] = True
+                on_host = rows.cpu()
                 clock.mark("compact")
-        self._count(clock.seconds(), steps=len(versions), row_steps=row_steps)
-        return self._samples(tokens, logprobs, lengths, stopped, stop_cut, versions)
+            step += 1
+        self._count(clock.seconds(), steps=decode_steps, row_steps=row_steps, parked=parks)
+        return self._samples(tokens, logprobs, lengths, stopped, stop_cut, row_versions)
+
+    def _resumable(self, rows: int, width: int, capacity: int, budget: int | None) -> int:
+        """How many of ``rows`` parked rows of ``width`` positions so far to prefill again at
+        once: as many as can go on to ``capacity`` positions (so they park no more), at least
+        one (``rows_at_once`` checked that one fits)."""
+        if budget is None or not self._windowed():
+            return rows
+        fit = rows_that_prefill(self.model.config, self.model.dtype, budget, width, capacity)
+        return max(1, min(rows, fit))
 
     def _count(self, seconds: dict[str, float], **counts: int) -> None:
         for part, value in seconds.items():
@@ -428,7 +484,7 @@ class HfGenerator(Generator):
         ``sample``, ``bookkeeping`` (the step's tokens written, stops found, its one host
         sync), ``compact`` (finished rows leaving)), and how much they decoded
         (``throughput/decode_steps``; ``throughput/decode_row_steps``: rows summed over
-        steps)."""
+        steps; ``throughput/decode_parked``: rows that waited for memory)."""
         stats, self._stats = dict(self._stats), defaultdict(float)
         return stats
 
@@ -439,10 +495,12 @@ class HfGenerator(Generator):
         generated: torch.Tensor,
         steps: int,
         images: RowImages | None = None,
+        budget: int | None = None,
     ) -> Decoder:
-        """Prefill the prompts and the ``generated`` tokens so far (after new weights landed:
-        the KV cache is recomputed with them): the decode from here (its steps counted from
-        here). A vision-language model prefills through ``ImagePrefill`` (the rows' ``images``,
+        """Prefill the prompts and the ``generated`` tokens so far (after new weights landed,
+        or for parked rows: the KV cache is recomputed): the decode from here (its steps
+        counted from here), its KV cache within ``budget`` bytes where it can grow. A
+        vision-language model prefills through ``ImagePrefill`` (the rows' ``images``,
         multimodal positions)."""
         width, done = input_ids.shape[1], generated.shape[1]
         if done:
@@ -456,7 +514,9 @@ class HfGenerator(Generator):
             position_ids = model.prefill_positions(input_ids, valid[:, : width + done])
         if self.static_cache:
             self._compile_layers()
-            decode = StaticDecode(model, self._cache_position, self.cuda_graphs, self._compiled)
+            decode = StaticDecode(
+                model, self._cache_position, self.cuda_graphs, self._compiled, budget
+            )
             decode.on_capture_failure = self._capture_failed
             decoder = decode.prefill(input_ids, valid, position_ids, steps - done)
             if decoder is not None:
@@ -550,7 +610,7 @@ class HfGenerator(Generator):
             state["cache"].batch_select_indices(index)
             state["mask"], state["position"] = state["mask"][index], state["position"][index]
 
-        return out.logits[inverse, -1, :], advance, keep
+        return out.logits[inverse, -1, :], advance, keep, None
 
     def _cache_position(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """``cache_position`` for the transformers releases whose models still take it."""
@@ -579,15 +639,16 @@ class HfGenerator(Generator):
         lengths: torch.Tensor,
         stopped: torch.Tensor,
         stop_cut: dict[int, str],
-        versions: list[int],
+        versions: torch.Tensor,
     ) -> list[_Sample]:
         columns = (tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist())
         samples = []
-        for row, (row_tokens, row_logprobs, length, done) in enumerate(zip(*columns, strict=True)):
+        rows = zip(*columns, versions.tolist(), strict=True)
+        for row, (row_tokens, row_logprobs, length, done, row_versions) in enumerate(rows):
             ids = row_tokens[:length]
             text = stop_cut[row] if row in stop_cut else self._decode(ids)
             reason: FinishReason = "stop" if done else "length"
-            samples.append(_Sample(ids, row_logprobs[:length], text, reason, versions[:length]))
+            samples.append(_Sample(ids, row_logprobs[:length], text, reason, row_versions[:length]))
         return samples
 
     def _sample(

@@ -88,9 +88,10 @@ class CacheWindow:
 
 class WindowedLayer(DynamicLayer):
     """Storage for ``capacity`` positions allocated at the first call (a static cache: its
-    address never moves, so CUDA graphs can replay over it); ``update`` writes the new keys and
-    values at ``window.positions`` and returns the first ``window.length`` positions, so
-    attention reads the part written so far (in buckets), not the whole capacity."""
+    address moves only when it ``grow``s or drops rows, so CUDA graphs replay over it between);
+    ``update`` writes the new keys and values at ``window.positions`` and returns the first
+    ``window.length`` positions, so attention reads the part written so far (in buckets), not
+    the whole capacity."""
 
     def __init__(self, capacity: int, window: CacheWindow) -> None:
         super().__init__()
@@ -111,6 +112,18 @@ class WindowedLayer(DynamicLayer):
         self.keys, self.values = keys[:, :, :length], values[:, :, :length]
         return self.keys, self.values
 
+    def grow(self, capacity: int) -> None:
+        """Storage for ``capacity`` positions (more than now): the positions so far copied
+        into it, the old storage freed with its last view."""
+        self.capacity = capacity
+        if self.storage is None:
+            return
+        old = self.storage
+        self.storage = _storage(*old, capacity, torch.zeros)
+        for new, written in zip(self.storage, old, strict=True):
+            new[:, :, : written.shape[2]] = written
+        self.keys, self.values = self.storage
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep rows ``indices`` (new, smaller storage; the old is freed with its last view)."""
         if self.storage is None:
@@ -120,6 +133,11 @@ class WindowedLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self.window.length if self.storage is not None else 0
+
+    def storage_dtype(self) -> torch.dtype:
+        """The keys' and values' dtype (after the first update)."""
+        assert self.storage is not None, "no update yet"
+        return self.storage[0].dtype
 
 
 class WindowedCache(Cache):
@@ -151,16 +169,40 @@ def kv_bytes_per_position(config: Any, dtype: torch.dtype) -> int:
     return int(text.num_hidden_layers * 2 * heads * head_dim * dtype.itemsize)
 
 
-def row_bytes(config: Any, dtype: torch.dtype, width: int, steps: int) -> int:
-    """What each row of a decode of ``width`` prompt positions and ``steps`` new tokens holds on
-    the device at its peak: its KV cache for every position, its prefill's widest activations
-    (the MLP's up and gate projections and their product, over its prompt) and its logits with
-    their fp32 sampling copies."""
+def row_extra_bytes(config: Any, dtype: torch.dtype, width: int) -> int:
+    """What each row of a decode of ``width`` prompt positions holds on the device besides its
+    KV cache, at its peak: its prefill's widest activations (the MLP's up and gate projections
+    and their product, over its prompt) and its logits with their fp32 sampling copies."""
     text = getattr(config, "text_config", None) or config
     intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
     prefill = width * 3 * intermediate * dtype.itemsize
     logits = text.vocab_size * (dtype.itemsize + 8)
-    return kv_bytes_per_position(config, dtype) * (width + steps) + prefill + logits
+    return prefill + logits
+
+
+def row_bytes(config: Any, dtype: torch.dtype, width: int, steps: int) -> int:
+    """What each row of a decode of ``width`` prompt positions and ``steps`` new tokens holds on
+    the device at its peak: its KV cache for every position and ``row_extra_bytes``."""
+    kv = kv_bytes_per_position(config, dtype) * (width + steps)
+    return kv + row_extra_bytes(config, dtype, width)
+
+
+def rows_that_grow(config: Any, dtype: torch.dtype, budget: int, now: int, grown: int) -> int:
+    """How many decoding rows of a windowed cache of ``now`` positions can grow to ``grown``
+    within ``budget`` bytes: each row's cache at ``grown`` positions and its logits
+    (``row_extra_bytes`` of no prompt), and while one layer grows, its copy at ``now``."""
+    layers = (getattr(config, "text_config", None) or config).num_hidden_layers
+    per_position = kv_bytes_per_position(config, dtype)
+    each = per_position * grown + per_position // layers * now + row_extra_bytes(config, dtype, 0)
+    return max(0, budget // each)
+
+
+def rows_that_prefill(config: Any, dtype: torch.dtype, budget: int, width: int, window: int) -> int:
+    """How many rows of ``width`` positions can be prefilled into a windowed cache of ``window``
+    positions within ``budget`` bytes (``row_bytes``; a compaction's copy of one layer)."""
+    layers = (getattr(config, "text_config", None) or config).num_hidden_layers
+    each = row_bytes(config, dtype, width, window - width)
+    return max(0, int(budget // (each * (1 + 1 / layers))))
 
 
 DECODE_HEADROOM = 1 << 30
@@ -168,6 +210,12 @@ DECODE_HEADROOM = 1 << 30
 block (``hf_generator.SAMPLE_BLOCK_CUDA``), the captured steps' memory pools, kernel
 workspaces. At 7B x 2048 tokens on an H100 the generator's process peaked under 1 GB above its
 weights and rows (docs/benchmarks/2026-12-07-h100-cells.md)."""
+
+
+def decode_budget(free: int | None) -> int | None:
+    """Bytes a decode may hold of the device's ``free`` ones: all but ``DECODE_HEADROOM``
+    (None: no bound, a CPU)."""
+    return None if free is None else free - DECODE_HEADROOM
 
 
 def decode_rows(total: int, limit: int, each: int, layers: int, free: int | None) -> int:

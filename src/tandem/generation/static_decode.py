@@ -1,10 +1,13 @@
-"""``HfGenerator``'s decode over a static KV cache read in windows (the GPU path): storage for
-the whole decode allocated once (``kv_cache.WindowedLayer``), written in place, and each step
-attends over the positions written so far rounded up to a bucket of ``CACHE_BUCKET`` positions,
-not over the whole capacity. Each step's inputs live in fixed device buffers, so on a GPU a
-step replays a CUDA graph; one graph is captured per (rows, bucket), i.e. again every
-``CACHE_BUCKET`` steps and when finished rows leave the batch (after one eager step of the
-new batch size).
+"""``HfGenerator``'s decode over a static KV cache read in windows (the GPU path): storage
+(``kv_cache.WindowedLayer``) written in place, and each step attends over the positions written
+so far rounded up to a bucket of ``CACHE_BUCKET`` positions, not over the whole capacity. The
+storage holds that window and grows with it, a bucket at a time, so a decode holds the KV cache
+of the positions its rows reached, not of every row to the cap: where a growth would not fit
+the decode's byte budget, ``room`` says how many rows can go on (the generator parks the others
+and resumes them later, as vLLM preempts a request by recomputation). Each step's inputs live
+in fixed device buffers, so on a GPU a step replays a CUDA graph; one graph is captured per
+(rows, bucket), i.e. again every ``CACHE_BUCKET`` steps (where the storage grows) and when rows
+leave the batch (after one eager step of the new batch size).
 
 With ``generation.compile`` the decoder layers run compiled (fused elementwise kernels: a
 step of 24 small layers is otherwise bound by the graph's ~40 kernels a layer, not by reading
@@ -19,11 +22,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from tandem.generation.kv_cache import CacheWindow, windowed_cache
+from tandem.generation.kv_cache import CacheWindow, WindowedLayer, rows_that_grow, windowed_cache
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +39,12 @@ Decoder = tuple[
     torch.Tensor,
     Callable[[torch.Tensor, int], torch.Tensor],
     Callable[[torch.Tensor], None] | None,
+    Callable[[int], int] | None,
 ]
 """A decode under way: the next logits, ``advance(token, step)`` (feeds the batch's tokens,
-returns the next logits) and ``keep(index)`` (decode only those rows from now on; None where
-the batch cannot shrink)."""
+returns the next logits), ``keep(index)`` (decode only those rows from now on; None where
+the batch cannot shrink) and ``room(step)`` (how many rows ``advance`` can take at ``step``;
+None where the decode's memory is not bounded)."""
 
 
 def window_length(needed: int, capacity: int, bucket: int) -> int:
@@ -72,8 +77,11 @@ class StaticDecode:
         cache_position: Callable[[torch.Tensor], dict],
         graphs: bool,
         compiled: bool = False,
+        budget: int | None = None,
     ):
         self.model = model
+        self.budget = budget
+        """Bytes the KV cache may take at most (None: no bound; ``room``)."""
         self.cache_position = cache_position
         self.graphs = graphs
         self.compiled = compiled
@@ -99,10 +107,13 @@ class StaticDecode:
         size, width = input_ids.shape
         self.width, self.capacity = width, width + steps
         self.window = CacheWindow(torch.arange(width, device=device), width)
-        cache = windowed_cache(self.model.config, self.capacity, self.window)
+        self.allocated = window_length(width + 1, self.capacity, self.bucket)
+        """Positions the storage holds: the first decode step's window, then each window."""
+        cache = windowed_cache(self.model.config, self.allocated, self.window)
         if cache is None:
             return None
         self.cache = cache
+        self.layers = cast(list[WindowedLayer], cache.layers)
         key = torch.arange(width, device=device)
         prefill_mask = (key[None, :] <= key[:, None])[None] & valid[:, None, :width]
         prefill_mask |= key[None, :] == key[:, None]  # [B, width, width]
@@ -120,7 +131,7 @@ class StaticDecode:
         self.token = torch.zeros((size, 1), dtype=torch.long, device=device)
         self.position = position_ids[:, -1:].clone()
         self.mask = valid[:, None, None, :].clone()  # [B, 1, 1, capacity]
-        return out.logits[:, -1, :], self.advance, self.keep
+        return out.logits[:, -1, :], self.advance, self.keep, self.room
 
     def forward(self) -> torch.Tensor:
         """One decode step over the current window (what a graph records)."""
@@ -141,6 +152,11 @@ class StaticDecode:
         self.mask[..., written] = True
         self.window.positions.fill_(written)
         self.window.length = window_length(written + 1, self.capacity, self.bucket)
+        if self.window.length > self.allocated:
+            self.graph = None  # captured over the storage the growth replaces
+            for layer in self.layers:
+                layer.grow(self.window.length)
+            self.allocated = self.window.length
         if not self.graphs:
             return self.forward()
         shape = (len(self.token), self.window.length)
@@ -157,6 +173,20 @@ class StaticDecode:
                 return self.forward()
         self.graph[0].replay()
         return self.graph[1].clone()
+
+    def room(self, step: int) -> int:
+        """How many of the batch's rows ``advance`` can take at ``step``: all of them unless the
+        step's window outgrows the storage and the storage grown for every row would not fit
+        ``budget``; then as many as fit up to the cap, so that a decode parks rows once (and
+        those parked go on together, not one at a time)."""
+        rows = len(self.token)
+        grown = window_length(self.width + step + 1, self.capacity, self.bucket)
+        if self.budget is None or grown <= self.allocated:
+            return rows
+        config, dtype = self.model.config, self.layers[0].storage_dtype()
+        if rows_that_grow(config, dtype, self.budget, self.allocated, grown) >= rows:
+            return rows
+        return rows_that_grow(config, dtype, self.budget, self.allocated, self.capacity)
 
     def keep(self, index: torch.Tensor) -> None:
         self.cache.batch_select_indices(index)
