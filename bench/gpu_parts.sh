@@ -183,9 +183,9 @@ for part in "$@"; do
             esac
             for item in ${SET:-}; do sides+=(--set "$item"); done
             if [ "$cell" != tiny ] && [ "${sides[1]:-}" != trl ]; then  # the sleep it runs on
-                run "$part" 60 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
+                run "$part" 80 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
             fi
-            run "$part" 530 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh "$cell" \
-                --budget-s 500 "${sides[@]}" "${tokens[@]}" ;;
+            run "$part" 510 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh "$cell" \
+                --budget-s 480 "${sides[@]}" "${tokens[@]}" ;;
     esac
 done
