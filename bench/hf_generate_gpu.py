@@ -13,8 +13,10 @@ attends over the whole static cache, transformers' sdpa copying the grouped key/
 ``--roofline`` adds each path's tokens/s against the decode roofline of the same run
 (``real_scale_figures.decode_roofline`` at the device-to-device copy rate). ``tandem_compiled``
 is the graphed decode of a second generator whose decoder layers are compiled
-(``generation.compile``). Each line of tandem's paths carries the decode's model call per
-step (``forward_ms_per_step``, the generator's ``timing/decode_forward_s`` over its steps).
+(``generation.compile``); ``tandem_two_chunks`` decodes the rows in two halves one after the
+other (as where the cache of every row to the cap does not fit the device). Each line of
+tandem's paths carries the decode's model call per step (``forward_ms_per_step``, the
+generator's ``timing/decode_forward_s`` over its steps) and its decode steps and parked rows.
 
     PYTHONPATH=src:bench python bench/hf_generate_gpu.py [--shape 0.5b] [--rounds 3]
         [--model DIR --max-tokens 2048 --paths tandem_cuda_graphs tandem_whole_reads --roofline]
@@ -41,6 +43,7 @@ from tandem.generation.hf_generator import HfGenerator
 PATHS = ("tandem_cuda_graphs", "tandem_static_eager", "tandem_dynamic", "transformers_generate")
 WHOLE = "tandem_whole_reads"
 COMPILED = "tandem_compiled"
+CHUNKS = "tandem_two_chunks"
 
 
 def main() -> None:
@@ -52,7 +55,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", type=Path, default=None, help="a model folder to use")
     parser.add_argument(
-        "--paths", nargs="+", default=list(PATHS), choices=[*PATHS, WHOLE, COMPILED]
+        "--paths", nargs="+", default=list(PATHS), choices=[*PATHS, WHOLE, COMPILED, CHUNKS]
     )
     parser.add_argument("--roofline", action="store_true")
     args = parser.parse_args()
@@ -73,6 +76,7 @@ def main() -> None:
     if COMPILED in args.paths:  # its layers compiled in place: a generator of its own
         compiled = HfGenerator(path, device=device, dtype="bfloat16", compile_layers=True)
     forward_ms: dict[str, float] = {}
+    decoded: dict[str, float] = {}  # the last decode's take_stats
 
     def ours(graphs: bool, static: bool, whole: bool = False, warm: bool = False) -> int:
         generator.cuda_graphs, generator.static_cache = graphs and cuda, static
@@ -85,6 +89,7 @@ def main() -> None:
         gen.take_stats()
         tokens = sum(len(r.response_token_ids) for r in gen.generate(prompts, run))
         stats = gen.take_stats()
+        decoded.update(stats)
         forward_ms["last"] = (
             1e3 * stats["timing/decode_forward_s"] / stats["throughput/decode_steps"]
         )
@@ -115,8 +120,19 @@ def main() -> None:
             )
         return int((out[:, width:] != pad).sum())
 
+    def ours_two_chunks(warm: bool = False) -> int:
+        """As the decode before its cache grew with its window where every row's cache to
+        the cap did not fit: the rows in two chunks, one after the other."""
+        limit = generator.max_batch_size
+        generator.max_batch_size = max(1, len(prompts) * args.generations // 2)
+        try:
+            return ours(True, True, warm=warm)
+        finally:
+            generator.max_batch_size = limit
+
     every = {
         "tandem_cuda_graphs": lambda warm=False: ours(True, True, warm=warm),
+        CHUNKS: ours_two_chunks,
         "tandem_static_eager": lambda warm=False: ours(False, True, warm=warm),
         "tandem_dynamic": lambda warm=False: ours(False, False, warm=warm),
         "transformers_generate": transformers_generate,
@@ -130,6 +146,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in paths}
     tokens: dict[str, int] = {}
     step_ms: dict[str, list[float]] = {name: [] for name in paths}
+    counts: dict[str, dict[str, int]] = {}  # decode steps, parked rows (the last round's)
     for _ in range(args.rounds):
         for name, run in paths.items():
             sync()
@@ -140,6 +157,10 @@ def main() -> None:
             times[name].append(time.perf_counter() - start)
             if "last" in forward_ms:
                 step_ms[name].append(forward_ms["last"])
+                counts[name] = {
+                    key.split("/decode_")[1]: int(decoded[key])
+                    for key in ("throughput/decode_steps", "throughput/decode_parked")
+                }
     generate = times.get("transformers_generate")
     reference = statistics.median(generate) if generate else None
     rows = len(prompts) * args.generations
@@ -159,6 +180,7 @@ def main() -> None:
         }
         if step_ms[name]:
             record["forward_ms_per_step"] = round(statistics.median(step_ms[name]), 3)
+            record["decode"] = counts[name]
         if bandwidth:
             sizes = model_sizes(path)
             response = tokens[name] / rows
