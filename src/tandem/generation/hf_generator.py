@@ -368,16 +368,11 @@ class HfGenerator(Generator):
         """Decode a left-padded batch on the device: one host sync per step (the "all done"
         check), as ``transformers.generate``; once enough rows have finished
         (``COMPACT_AT``) they leave the batch with their KV cache, so a long straggler
-        decodes alone. Stop strings need the text, so with ``params.stop`` the new tokens come to
-        the host every step."""
-        size, width = len(prompts), max(len(p) for p in prompts)
-        steps = params.max_tokens
-        input_ids = torch.full((size, width), self.pad_token_id, dtype=torch.long)
-        valid = torch.zeros((size, width + steps), dtype=torch.bool)
-        for row, prompt in enumerate(prompts):  # left padding: the next token is at the end
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            valid[row, width - len(prompt) : width] = True
-        input_ids, valid = input_ids.to(self.device), valid.to(self.device)
+        decodes alone, and rows whose KV cache would outgrow the device wait for the others
+        (``StaticDecode.room``). Stop strings need the text, so with ``params.stop`` the new
+        tokens come to the host every step."""
+        size, width, steps = len(prompts), max(len(p) for p in prompts), params.max_tokens
+        input_ids, valid = self._left_padded(prompts, width, steps)
         images = RowImages.of(prompts)
         keys = sample_keys(seeds, self.device)
         eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=self.device)
@@ -462,6 +457,18 @@ class HfGenerator(Generator):
             step += 1
         self._count(clock.seconds(), steps=decode_steps, row_steps=row_steps, parked=parks)
         return self._samples(tokens, logprobs, lengths, stopped, stop_cut, row_versions)
+
+    def _left_padded(
+        self, prompts: list[list[int]], width: int, steps: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts left-padded to ``width`` (the next token is at the end) and which of
+        their ``width + steps`` positions hold a token so far, on the device."""
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        valid = torch.zeros((len(prompts), width + steps), dtype=torch.bool)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            valid[row, width - len(prompt) : width] = True
+        return input_ids.to(self.device), valid.to(self.device)
 
     def _resumable(self, rows: int, width: int, capacity: int, budget: int | None) -> int:
         """How many of ``rows`` parked rows of ``width`` positions so far to prefill again at
