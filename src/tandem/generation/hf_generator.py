@@ -44,7 +44,7 @@ from tandem.generation import static_decode
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
 from tandem.generation.hf_adapters import PeftAdapter
 from tandem.generation.hf_vision import ImagePrefill, load_generation_model, same_prefill
-from tandem.generation.kv_cache import decode_budget, decode_rows, row_bytes, rows_that_prefill
+from tandem.generation.kv_cache import decode_budget, decode_rows, row_bytes
 from tandem.generation.packed_linear import pack_linears
 from tandem.generation.phase_clock import PhaseClock
 from tandem.generation.static_decode import Decoder, StaticDecode, window_length
@@ -386,7 +386,8 @@ class HfGenerator(Generator):
         on_host: slice | torch.Tensor = slice(None)  # the same, on the host
         member = torch.ones(size, dtype=torch.bool, device=self.device)  # in the decode now
         waiting: list[tuple[int, torch.Tensor]] = []  # parked rows: (the step they resume at, rows)
-        budget = decode_budget(self._free_bytes())
+        free = self._free_bytes()
+        budget = decode_budget(free)
         token = tokens[:, 0]
         clock = PhaseClock(self.device)
         clock.start()
@@ -428,7 +429,7 @@ class HfGenerator(Generator):
                 if not waiting:
                     break
                 step, rows = waiting.pop()  # parked rows go on where they stopped
-                resumed = self._resumable(len(rows), width + step, width + steps, budget)
+                resumed = self._resumable(len(rows), width + step, width + steps, free)
                 if resumed < len(rows):
                     waiting.append((step, rows[resumed:]))
                     rows = rows[:resumed]
@@ -470,14 +471,15 @@ class HfGenerator(Generator):
             valid[row, width - len(prompt) : width] = True
         return input_ids.to(self.device), valid.to(self.device)
 
-    def _resumable(self, rows: int, width: int, capacity: int, budget: int | None) -> int:
+    def _resumable(self, rows: int, width: int, capacity: int, free: int | None) -> int:
         """How many of ``rows`` parked rows of ``width`` positions so far to prefill again at
-        once: as many as can go on to ``capacity`` positions (so they park no more), at least
-        one (``rows_at_once`` checked that one fits)."""
-        if budget is None or not self._windowed():
-            return rows
-        fit = rows_that_prefill(self.model.config, self.model.dtype, budget, width, capacity)
-        return max(1, min(rows, fit))
+        once (``decode_rows`` against the ``free`` bytes the decode started with): as many as
+        can go on to ``capacity`` positions, so they park no more; at least one
+        (``rows_at_once`` checked that one fits)."""
+        config = self.model.config
+        each = row_bytes(config, self.model.dtype, width, capacity - width)
+        layers = (getattr(config, "text_config", None) or config).num_hidden_layers
+        return max(1, decode_rows(rows, rows, each, layers, free))
 
     def _count(self, seconds: dict[str, float], **counts: int) -> None:
         for part, value in seconds.items():

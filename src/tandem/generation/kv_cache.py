@@ -197,14 +197,6 @@ def rows_that_grow(config: Any, dtype: torch.dtype, budget: int, now: int, grown
     return max(0, budget // each)
 
 
-def rows_that_prefill(config: Any, dtype: torch.dtype, budget: int, width: int, window: int) -> int:
-    """How many rows of ``width`` positions can be prefilled into a windowed cache of ``window``
-    positions within ``budget`` bytes (``row_bytes``; a compaction's copy of one layer)."""
-    layers = (getattr(config, "text_config", None) or config).num_hidden_layers
-    each = row_bytes(config, dtype, width, window - width)
-    return max(0, int(budget // (each * (1 + 1 / layers))))
-
-
 DECODE_HEADROOM = 1 << 30
 """Device bytes a GPU decode keeps free besides its rows (``row_bytes`` each): the sampling
 block (``hf_generator.SAMPLE_BLOCK_CUDA``), the captured steps' memory pools, kernel
