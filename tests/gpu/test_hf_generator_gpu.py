@@ -52,7 +52,12 @@ def test_a_decode_under_a_byte_budget_grows_its_cache_and_parks_rows_under_cuda_
     """As the CPU test of the bounded decode, with the captures real: a graph over each grown
     storage, rows parked and resumed, and the samples of the decode without a bound."""
     from tandem.generation import static_decode
-    from tandem.generation.kv_cache import DECODE_HEADROOM, row_bytes
+    from tandem.generation.kv_cache import (
+        DECODE_HEADROOM,
+        PREFILL_TOKENS,
+        prefill_bytes,
+        row_bytes,
+    )
 
     monkeypatch.setattr(static_decode, "CACHE_BUCKET", 4)
     generator = HfGenerator(DEFAULT_MODEL_DIR, device="cuda:0", dtype="float32")
@@ -62,7 +67,8 @@ def test_a_decode_under_a_byte_budget_grows_its_cache_and_parks_rows_under_cuda_
     config, width = generator.model.config, max(len(p) for p in prompts)
     grow = 1 + 1 / config.num_hidden_layers
     budget = int(16 * row_bytes(config, torch.float32, width, 2) * grow) + 1
-    monkeypatch.setattr(generator, "_free_bytes", lambda: DECODE_HEADROOM + budget)
+    shared = prefill_bytes(config, torch.float32, PREFILL_TOKENS)  # a prefill call's room
+    monkeypatch.setattr(generator, "_free_bytes", lambda: DECODE_HEADROOM + shared + budget)
     generator.take_stats()
     bounded = generator.generate(prompts, params)
     assert generator.cuda_graphs  # the captures held
@@ -73,7 +79,12 @@ def test_a_decode_under_a_byte_budget_grows_its_cache_and_parks_rows_under_cuda_
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_in_flight_refit_under_cuda_graphs(k: int) -> None:
+def test_in_flight_refit_under_cuda_graphs(k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows prefilled again with the new weights in calls of 8 tokens (a row in chunks of
+    positions), the steps after them graphed."""
+    from tandem.generation import kv_cache
+
+    monkeypatch.setattr(kv_cache, "PREFILL_TOKENS", 8)
     gen = HfGenerator(DEFAULT_MODEL_DIR, device="cuda:0", dtype="float32")
     new = perturbed(seed=1)
     texts = ["17+25=", "3-1=", "Question: 12*3?\n"]  # as the CPU test's

@@ -458,9 +458,11 @@ def test_the_static_decode_holds_the_cache_its_rows_reached_and_parks_what_outgr
     from tandem.generation import static_decode
     from tandem.generation.kv_cache import (
         DECODE_HEADROOM,
+        PREFILL_TOKENS,
         WindowedLayer,
         decode_rows,
         kv_bytes_per_position,
+        prefill_bytes,
         row_bytes,
     )
 
@@ -470,8 +472,11 @@ def test_the_static_decode_holds_the_cache_its_rows_reached_and_parks_what_outgr
     width, config = max(len(p) for p in ids), generator.model.config
     layers = config.num_hidden_layers
     budget = int(24 * row_bytes(config, torch.float32, width, 2) * (1 + 1 / layers)) + 1
-    free = DECODE_HEADROOM + budget
-    assert decode_rows(24, 256, row_bytes(config, torch.float32, width, 64), layers, free) < 12
+    # and room for a prefill call's activations beside the cache
+    shared = prefill_bytes(config, torch.float32, PREFILL_TOKENS)
+    free = DECODE_HEADROOM + budget + shared
+    each = row_bytes(config, torch.float32, width, 64)
+    assert decode_rows(24, 256, each, layers, free - shared) < 12
     held: list[tuple[int, int]] = []  # a decode step's (bytes of the cache, positions - window)
     update = WindowedLayer.update
 
@@ -516,6 +521,79 @@ def test_the_static_decode_holds_the_cache_its_rows_reached_and_parks_what_outgr
     assert [r.response_versions for r in bounded] == [r.response_versions for r in whole]
     for b, w in zip(bounded, whole, strict=True):  # (fp32: other batches, a prefill for steps)
         assert b.response_logprobs == pytest.approx(w.response_logprobs, rel=1e-4, abs=1e-5)
+
+
+def test_a_prefill_runs_in_bounded_calls_once_the_decode_before_it_let_go_of_its_cache(
+    generator: HfGenerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The windowed decode prefills in model calls of at most ``PREFILL_TOKENS`` tokens: its
+    rows in groups, a row longer than that in chunks of positions (its later chunks attend the
+    keys written before). A prefill again (rows resumed after parking here; a refit's rows
+    alike) starts only once the decode before it has let go of its KV cache, so under a byte
+    budget the caches alive at any call stay within it. The samples are those of prefills
+    in one call."""
+    import weakref
+
+    from tandem.generation import kv_cache, static_decode
+
+    ids = _prompt_ids(generator)
+    params = SamplingParams(temperature=10.0, max_tokens=64, n=8, seed=5)
+    width, config = max(len(p) for p in ids), generator.model.config
+    tokens = 5 * width  # rows of 5 prompts a call; a resumed row (> 5 x width) in chunks
+    layers = config.num_hidden_layers
+    budget = int(24 * kv_cache.row_bytes(config, torch.float32, width, 2) * (1 + 1 / layers))
+    shared = kv_cache.prefill_bytes(config, torch.float32, tokens)
+    monkeypatch.setattr(static_decode, "CACHE_BUCKET", 4)
+    generator.static_cache = True
+    try:
+        whole = generator.generate(ids, params)
+        storages: list[weakref.ref[torch.Tensor]] = []
+        make = kv_cache._storage
+
+        def recorded(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            made = make(*args, **kwargs)
+            storages.extend(weakref.ref(tensor) for tensor in made)
+            return made
+
+        def alive() -> int:  # bytes of every KV cache not freed
+            return sum(t.nbytes for ref in storages if (t := ref()) is not None)
+
+        calls: list[tuple[int, int, int, int]] = []  # (rows, positions, keys, bytes alive)
+        hook = generator.model.register_forward_pre_hook(
+            lambda _m, _a, kw: calls.append(
+                (*kw["input_ids"].shape, kw["attention_mask"].shape[-1], alive())
+            ),
+            with_kwargs=True,
+        )
+        before_prefill: list[int] = []  # bytes alive as each prefill starts
+        prefill = generator._prefill
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            before_prefill.append(alive())
+            return prefill(*args, **kwargs)
+
+        monkeypatch.setattr(generator, "_prefill", counted)
+        monkeypatch.setattr(kv_cache, "_storage", recorded)
+        monkeypatch.setattr(kv_cache, "PREFILL_TOKENS", tokens)
+        free = kv_cache.DECODE_HEADROOM + shared + budget
+        monkeypatch.setattr(generator, "_free_bytes", lambda: free)
+        generator.take_stats()
+        chunked = generator.generate(ids, params)
+        parked = generator.take_stats()["throughput/decode_parked"]
+        hook.remove()
+    finally:
+        generator.static_cache = False
+    prefills = [(rows, positions, keys) for rows, positions, keys, _ in calls if positions > 1]
+    assert parked > 0 and len(before_prefill) > 1  # rows were prefilled again
+    assert before_prefill == [0] * len(before_prefill)
+    assert prefills[:5] == [(5, width, width)] * 4 + [(4, width, width)]  # 24 rows, 5 a call
+    assert all(rows * positions <= tokens for rows, positions, _ in prefills)
+    assert any(keys > positions for _, positions, keys in prefills)  # a row's later chunk
+    assert max(held for *_, held in calls) <= budget
+    assert [r.response_token_ids for r in chunked] == [r.response_token_ids for r in whole]
+    assert [r.finish_reason for r in chunked] == [r.finish_reason for r in whole]
+    for c, w in zip(chunked, whole, strict=True):
+        assert c.response_logprobs == pytest.approx(w.response_logprobs, rel=1e-4, abs=1e-5)
 
 
 def test_folded_decode_attention_equals_attention_over_repeated_heads() -> None:

@@ -40,11 +40,11 @@ from tandem.adapters import is_adapter_name
 from tandem.attention import full_attention_only
 from tandem.config.load import ConfigError
 from tandem.data.images import RowImages, own_prompt
-from tandem.generation import static_decode
+from tandem.generation import kv_cache, static_decode
 from tandem.generation.base import FinishReason, Generator, Rollout, SamplingParams
 from tandem.generation.hf_adapters import PeftAdapter
 from tandem.generation.hf_vision import ImagePrefill, load_generation_model, same_prefill
-from tandem.generation.kv_cache import decode_budget, decode_rows, row_bytes
+from tandem.generation.kv_cache import decode_budget, decode_rows, prefill_bytes, row_bytes
 from tandem.generation.packed_linear import pack_linears
 from tandem.generation.phase_clock import PhaseClock
 from tandem.generation.static_decode import Decoder, StaticDecode, window_length
@@ -325,29 +325,47 @@ class HfGenerator(Generator):
         return rollouts
 
     def rows_at_once(self, total: int, width: int, steps: int) -> int:
-        """``decode_rows`` for ``total`` rows of ``width`` prompt positions and ``steps`` new
-        tokens; on a GPU against the memory free now. The windowed static decode (a GPU's, for
-        models of full attention) takes the rows whose first window fits (its cache grows
-        with the rows' positions, and rows that would outgrow the memory wait: ``room``);
-        other decodes allocate every row's cache to the cap at their start. Raises
-        ``ConfigError`` where not one row fits to the cap (a row prefilled again near the cap:
-        a resumed or refit row's)."""
+        """How many of ``total`` rows of ``width`` prompt positions and ``steps`` new tokens
+        decode together (``_rows_fitting``); on a GPU against the memory free now. The windowed
+        static decode (a GPU's, for models of full attention) takes the rows whose first window
+        fits (its cache grows with the rows' positions, and rows that would outgrow the memory
+        wait: ``room``); other decodes allocate every row's cache to the cap at their start.
+        Raises ``ConfigError`` where not one row fits to the cap (a row prefilled again near
+        the cap: a resumed or refit row's)."""
         free = self._free_bytes()
-        config, dtype = self.model.config, self.model.dtype
-        layers = (getattr(config, "text_config", None) or config).num_hidden_layers
-        whole = row_bytes(config, dtype, width + steps, 0)
-        if decode_rows(1, 1, whole, layers, free) == 0:
+        if self._rows_fitting(1, 1, width + steps, 0, free) == 0:
+            each, shared = self._row_cost(width + steps, 0)
             raise ConfigError(
                 f"generation: one row of a {width}-token prompt and generation.sampling."
-                f"max_tokens={steps} new tokens needs {whole / 1e9:.2f} GB of the generator's "
-                f"GPU (its KV cache, prefill and logits); {(free or 0) / 1e9:.2f} GB are free: "
-                "lower generation.sampling.max_tokens or shorten the prompts"
+                f"max_tokens={steps} new tokens needs {(each + shared) / 1e9:.2f} GB of the "
+                f"generator's GPU (its KV cache, prefill and logits); {(free or 0) / 1e9:.2f} "
+                "GB are free: lower generation.sampling.max_tokens or shorten the prompts"
             )
         first = steps
         if self._windowed():
             first = window_length(width + 1, width + steps, static_decode.CACHE_BUCKET) - width
-        each = row_bytes(config, dtype, width, first)
-        return decode_rows(total, self.max_batch_size, each, layers, free)
+        return self._rows_fitting(total, self.max_batch_size, width, first, free)
+
+    def _row_cost(self, width: int, steps: int) -> tuple[int, int]:
+        """What rows of ``width`` positions so far take on the device with a KV cache of
+        ``steps`` more: each row's bytes (its cache, logits, and where its prefill runs in one
+        call, that prefill's activations: ``row_bytes``) and the bytes the rows share (a
+        windowed decode of text prefills in calls of at most ``PREFILL_TOKENS`` tokens)."""
+        config, dtype = self.model.config, self.model.dtype
+        if not self._chunked_prefill():
+            return row_bytes(config, dtype, width, steps), 0
+        shared = prefill_bytes(config, dtype, kv_cache.PREFILL_TOKENS)
+        return row_bytes(config, dtype, 0, width + steps), shared
+
+    def _rows_fitting(
+        self, total: int, limit: int, width: int, steps: int, free: int | None
+    ) -> int:
+        """``decode_rows`` for ``total`` rows (at most ``limit``) as ``_row_cost`` counts them,
+        against ``free`` bytes (None: no bound)."""
+        each, shared = self._row_cost(width, steps)
+        text = getattr(self.model.config, "text_config", None) or self.model.config
+        free = None if free is None else free - shared
+        return decode_rows(total, limit, each, text.num_hidden_layers, free)
 
     def _free_bytes(self) -> int | None:
         """Bytes the device has free for a decode now (its own free memory and what the
@@ -360,6 +378,11 @@ class HfGenerator(Generator):
     def _windowed(self) -> bool:
         """The decode runs over ``StaticDecode``'s windowed cache (it grows with the rows)."""
         return self.static_cache and full_attention_only(self.model.config)
+
+    def _chunked_prefill(self) -> bool:
+        """The prefill runs in calls of at most ``PREFILL_TOKENS`` tokens: a windowed decode of
+        text (an image prompt's prefill runs whole, its vision features in place)."""
+        return self._windowed() and not self.vision
 
     @torch.inference_mode()
     def _generate_batch(
@@ -387,7 +410,9 @@ class HfGenerator(Generator):
         member = torch.ones(size, dtype=torch.bool, device=self.device)  # in the decode now
         waiting: list[tuple[int, torch.Tensor]] = []  # parked rows: (the step they resume at, rows)
         free = self._free_bytes()
-        budget = decode_budget(free)
+        budget = decode_budget(free)  # the cache's (room is kept for a prefill's activations)
+        budget = None if budget is None else budget - self._row_cost(width, 0)[1]
+        decoder: Decoder | None = None
         token = tokens[:, 0]
         clock = PhaseClock(self.device)
         clock.start()
@@ -395,7 +420,8 @@ class HfGenerator(Generator):
         while True:
             with self.gate.step() as version:  # a refit lands between two of these
                 if fresh or version != weights:  # the start, resumed rows, or new weights
-                    logits, advance, keep, room = self._prefill(
+                    decoder = None  # the decode before: its cache goes before the prefill
+                    decoder = self._prefill(
                         _pick(input_ids, rows),
                         _pick(valid, rows),
                         _pick(tokens, rows)[:, :step],
@@ -403,10 +429,11 @@ class HfGenerator(Generator):
                         images if images is None or rows is None else images.select(rows.cpu()),
                         budget,
                     )
-                    first, fresh, weights = step, False, version
+                    logits, first, fresh, weights = decoder.logits, step, False, version
                     clock.mark("prefill")
                 else:
-                    logits = advance(_pick(token, rows), step - 1 - first)
+                    assert decoder is not None
+                    logits = decoder.advance(_pick(token, rows), step - 1 - first)
                     clock.mark("forward")
                 token, logprob = self._sample(logits, _pick(keys, rows), step, params)
                 clock.mark("sample")
@@ -437,8 +464,8 @@ class HfGenerator(Generator):
                 on_host, fresh = rows.cpu(), True
                 continue
             batch = size if rows is None else len(rows)
-            fit = batch if room is None else room(step - first)  # the next step's rows
-            if keep is not None and (decoding <= batch * COMPACT_AT or fit < batch):
+            fit = batch if decoder.room is None else decoder.room(step - first)  # the next step's
+            if decoder.keep is not None and (decoding <= batch * COMPACT_AT or fit < batch):
                 index = (~_pick(stopped, rows)).nonzero().flatten()  # drop the stopped rows
                 ids = _pick(torch.arange(size, device=self.device), rows)
                 if decoding > fit:  # and those the memory cannot take on: they wait
@@ -450,7 +477,7 @@ class HfGenerator(Generator):
                         "would outgrow the device's free memory); they go on after the others",
                         decoding - fit, decoding, step + 1,
                     )  # fmt: skip
-                keep(index)
+                decoder.keep(index)
                 rows = ids[index]
                 member.zero_()[rows] = True
                 on_host = rows.cpu()
@@ -473,13 +500,10 @@ class HfGenerator(Generator):
 
     def _resumable(self, rows: int, width: int, capacity: int, free: int | None) -> int:
         """How many of ``rows`` parked rows of ``width`` positions so far to prefill again at
-        once (``decode_rows`` against the ``free`` bytes the decode started with): as many as
+        once (``_rows_fitting`` against the ``free`` bytes the decode started with): as many as
         can go on to ``capacity`` positions, so they park no more; at least one
         (``rows_at_once`` checked that one fits)."""
-        config = self.model.config
-        each = row_bytes(config, self.model.dtype, width, capacity - width)
-        layers = (getattr(config, "text_config", None) or config).num_hidden_layers
-        return max(1, decode_rows(rows, rows, each, layers, free))
+        return max(1, self._rows_fitting(rows, rows, width, capacity - width, free))
 
     def _count(self, seconds: dict[str, float], **counts: int) -> None:
         for part, value in seconds.items():
@@ -527,7 +551,8 @@ class HfGenerator(Generator):
                 model, self._cache_position, self.cuda_graphs, self._compiled, budget
             )
             decode.on_capture_failure = self._capture_failed
-            decoder = decode.prefill(input_ids, valid, position_ids, steps - done)
+            tokens = kv_cache.PREFILL_TOKENS if self._chunked_prefill() else None
+            decoder = decode.prefill(input_ids, valid, position_ids, steps - done, tokens)
             if decoder is not None:
                 return decoder
         return self._dynamic_decoder(input_ids, valid, position_ids, steps - done, model)
@@ -619,7 +644,7 @@ class HfGenerator(Generator):
             state["cache"].batch_select_indices(index)
             state["mask"], state["position"] = state["mask"][index], state["position"][index]
 
-        return out.logits[inverse, -1, :], advance, keep, None
+        return Decoder(out.logits[inverse, -1, :], advance, keep, None)
 
     def _cache_position(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """``cache_position`` for the transformers releases whose models still take it."""

@@ -20,11 +20,16 @@ from tandem.attention import full_attention_only
 
 
 def _storage(
-    key_states: torch.Tensor, value_states: torch.Tensor, capacity: int, make: Any
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    capacity: int,
+    make: Any,
+    rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of ``capacity`` positions for the rows and heads of the first states
-    (``make``: ``torch.empty`` or ``torch.zeros``)."""
-    rows, heads, _, dim = key_states.shape
+    """Keys and values of ``capacity`` positions for the heads of the first states and
+    ``rows`` rows (None: those of the states; ``make``: ``torch.empty`` or ``torch.zeros``)."""
+    batch, heads, _, dim = key_states.shape
+    rows = batch if rows is None else rows
     like = {"dtype": key_states.dtype, "device": key_states.device}
     return (
         make(rows, heads, capacity, dim, **like),
@@ -78,25 +83,29 @@ def growing_cache(config: Any, capacity: int) -> Cache | None:
 class CacheWindow:
     """Where the layers of a ``windowed_cache`` write and how much of it attention reads: the
     next call's ``positions`` (a device tensor the decode updates in place, so a captured CUDA
-    graph reads it) and ``length``, the positions read from the start (a Python int: each
-    value is its own shape, so its own graph)."""
+    graph reads it), ``length``, the positions read from the start (a Python int: each
+    value is its own shape, so its own graph), and ``rows``, the rows of the batch the call
+    runs (a prefill in groups of rows; a decode step: all of them)."""
 
-    def __init__(self, positions: torch.Tensor, length: int) -> None:
+    def __init__(self, positions: torch.Tensor, length: int, rows: slice = slice(None)) -> None:
         self.positions = positions
         self.length = length
+        self.rows = rows
 
 
 class WindowedLayer(DynamicLayer):
-    """Storage for ``capacity`` positions allocated at the first call (a static cache: its
-    address moves only when it ``grow``s or drops rows, so CUDA graphs replay over it between);
-    ``update`` writes the new keys and values at ``window.positions`` and returns the first
+    """Storage for ``rows`` rows (None: those of the first call) of ``capacity`` positions
+    allocated at the first call (a static cache: its address moves only when it ``grow``s or
+    drops rows, so CUDA graphs replay over it between); ``update`` writes the new keys and
+    values of ``window.rows`` at ``window.positions`` and returns their first
     ``window.length`` positions, so attention reads the part written so far (in buckets), not
     the whole capacity."""
 
-    def __init__(self, capacity: int, window: CacheWindow) -> None:
+    def __init__(self, capacity: int, window: CacheWindow, rows: int | None = None) -> None:
         super().__init__()
         self.capacity = capacity
         self.window = window
+        self.rows = rows
         self.storage: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(
@@ -104,11 +113,11 @@ class WindowedLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.storage is None:
             self.lazy_initialization(key_states, value_states)
-            self.storage = _storage(key_states, value_states, self.capacity, torch.zeros)
-        keys, values = self.storage
+            self.storage = _storage(key_states, value_states, self.capacity, torch.zeros, self.rows)
+        rows, length = self.window.rows, self.window.length
+        keys, values = self.storage[0][rows], self.storage[1][rows]
         keys.index_copy_(2, self.window.positions, key_states)
         values.index_copy_(2, self.window.positions, value_states)
-        length = self.window.length
         self.keys, self.values = keys[:, :, :length], values[:, :, :length]
         return self.keys, self.values
 
@@ -151,12 +160,16 @@ class WindowedCache(Cache):
         return super().update(*args, **kwargs)  # type: ignore[no-any-return]
 
 
-def windowed_cache(config: Any, capacity: int, window: CacheWindow) -> Cache | None:
-    """A cache of ``WindowedLayer``s sharing ``window``, or None where the model's layers are
-    not all full attention."""
+def windowed_cache(
+    config: Any, capacity: int, window: CacheWindow, rows: int | None = None
+) -> Cache | None:
+    """A cache of ``WindowedLayer``s for ``rows`` rows sharing ``window``, or None where the
+    model's layers are not all full attention."""
     if not full_attention_only(config):
         return None
-    layers: list[Any] = [WindowedLayer(capacity, window) for _ in range(config.num_hidden_layers)]
+    layers: list[Any] = [
+        WindowedLayer(capacity, window, rows) for _ in range(config.num_hidden_layers)
+    ]
     return WindowedCache(layers=layers)
 
 
@@ -169,15 +182,30 @@ def kv_bytes_per_position(config: Any, dtype: torch.dtype) -> int:
     return int(text.num_hidden_layers * 2 * heads * head_dim * dtype.itemsize)
 
 
-def row_extra_bytes(config: Any, dtype: torch.dtype, width: int) -> int:
-    """What each row of a decode of ``width`` prompt positions holds on the device besides its
-    KV cache, at its peak: its prefill's widest activations (the MLP's up and gate projections
-    and their product, over its prompt) and its logits with their fp32 sampling copies."""
+PREFILL_TOKENS = 1 << 14
+"""Tokens (rows x positions) a windowed decode's prefill runs through the model in one call:
+its rows go in groups of ``PREFILL_TOKENS // positions`` (a row longer than that, in chunks of
+positions), so the prefill's activations (``prefill_bytes``) are bounded whatever the rows
+and their lengths; a refit or a resumed row prefills again all that its rows decoded."""
+
+
+def prefill_bytes(config: Any, dtype: torch.dtype, tokens: int) -> int:
+    """The widest activations of a prefill call over ``tokens`` tokens: the MLP's up and gate
+    projections and their product, and the keys and values repeated for every query head
+    (transformers' sdpa repeats grouped heads for a masked GPU kernel)."""
     text = getattr(config, "text_config", None) or config
     intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
-    prefill = width * 3 * intermediate * dtype.itemsize
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return tokens * (3 * intermediate + 2 * text.num_attention_heads * head_dim) * dtype.itemsize
+
+
+def row_extra_bytes(config: Any, dtype: torch.dtype, width: int) -> int:
+    """What each row of a decode of ``width`` prompt positions holds on the device besides its
+    KV cache, at its peak: its prefill's activations over its prompt (``prefill_bytes``; none
+    for ``width=0``) and its logits with their fp32 sampling copies."""
+    text = getattr(config, "text_config", None) or config
     logits = text.vocab_size * (dtype.itemsize + 8)
-    return prefill + logits
+    return prefill_bytes(config, dtype, width) + logits
 
 
 def row_bytes(config: Any, dtype: torch.dtype, width: int, steps: int) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -35,16 +35,18 @@ CACHE_BUCKET = 256
 positions beyond the last one written (about 10 % more than needed at a 2k-token context), and
 the graphs of a decode of ``S`` steps are captured ``S / CACHE_BUCKET`` times."""
 
-Decoder = tuple[
-    torch.Tensor,
-    Callable[[torch.Tensor, int], torch.Tensor],
-    Callable[[torch.Tensor], None] | None,
-    Callable[[int], int] | None,
-]
-"""A decode under way: the next logits, ``advance(token, step)`` (feeds the batch's tokens,
-returns the next logits), ``keep(index)`` (decode only those rows from now on; None where
-the batch cannot shrink) and ``room(step)`` (how many rows ``advance`` can take at ``step``;
-None where the decode's memory is not bounded)."""
+
+class Decoder(NamedTuple):
+    """A decode under way: the next logits, ``advance(token, step)`` (feeds the batch's tokens,
+    returns the next logits), ``keep(index)`` (decode only those rows from now on; None where
+    the batch cannot shrink) and ``room(step)`` (how many rows ``advance`` can take at
+    ``step``; None where the decode's memory is not bounded). The decode's KV cache goes with
+    the last reference to it."""
+
+    logits: torch.Tensor
+    advance: Callable[[torch.Tensor, int], torch.Tensor]
+    keep: Callable[[torch.Tensor], None] | None
+    room: Callable[[int], int] | None
 
 
 def window_length(needed: int, capacity: int, bucket: int) -> int:
@@ -98,40 +100,72 @@ class StaticDecode:
         capture)."""
 
     def prefill(
-        self, input_ids: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor, steps: int
+        self,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor,
+        position_ids: torch.Tensor,
+        steps: int,
+        tokens: int | None = None,
     ) -> Decoder | None:
         """Prefill the left-padded ``input_ids`` (a key is seen when it is a real token at or
-        before the query; a padding query sees itself, so no row is empty); None where the
-        model's attention is not all full attention (the caller decodes otherwise)."""
+        before the query; a padding query sees itself, so no row is empty) in model calls of at
+        most ``tokens`` tokens (None: one call); None where the model's attention is not all
+        full attention (the caller decodes otherwise)."""
         device = input_ids.device
         size, width = input_ids.shape
         self.width, self.capacity = width, width + steps
         self.window = CacheWindow(torch.arange(width, device=device), width)
         self.allocated = window_length(width + 1, self.capacity, self.bucket)
         """Positions the storage holds: the first decode step's window, then each window."""
-        cache = windowed_cache(self.model.config, self.allocated, self.window)
+        cache = windowed_cache(self.model.config, self.allocated, self.window, size)
         if cache is None:
             return None
         self.cache = cache
         self.layers = cast(list[WindowedLayer], cache.layers)
-        key = torch.arange(width, device=device)
-        prefill_mask = (key[None, :] <= key[:, None])[None] & valid[:, None, :width]
-        prefill_mask |= key[None, :] == key[:, None]  # [B, width, width]
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=prefill_mask[:, None],
-            position_ids=position_ids,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-            **self.cache_position(self.window.positions),
-        )
+        group = size if tokens is None else max(1, min(size, tokens // width))
+        chunk = width if tokens is None else max(1, tokens // group)
+        logits = []  # each group's last position's
+        for row in range(0, size, group):
+            for start in range(0, width, chunk):
+                last = self._prefill_call(
+                    input_ids, valid, position_ids, slice(row, row + group), start, chunk
+                )
+            logits.append(last)
         # The decode step's inputs: written before each step, read by the graph.
+        self.window.rows = slice(None)
         self.window.positions = torch.full((1,), width, dtype=torch.long, device=device)
         self.token = torch.zeros((size, 1), dtype=torch.long, device=device)
         self.position = position_ids[:, -1:].clone()
         self.mask = valid[:, None, None, :].clone()  # [B, 1, 1, capacity]
-        return out.logits[:, -1, :], self.advance, self.keep, self.room
+        return Decoder(torch.cat(logits), self.advance, self.keep, self.room)
+
+    def _prefill_call(
+        self,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor,
+        position_ids: torch.Tensor,
+        rows: slice,
+        start: int,
+        chunk: int,
+    ) -> torch.Tensor:
+        """One call of the prefill: ``rows`` at positions ``start`` to ``start + chunk``, over
+        the keys of their positions before; the logits of the last position."""
+        end = min(start + chunk, input_ids.shape[1])
+        query = torch.arange(start, end, device=input_ids.device)
+        key = torch.arange(end, device=input_ids.device)
+        mask = (key[None, :] <= query[:, None])[None] & valid[rows, None, :end]
+        mask |= key[None, :] == query[:, None]  # [rows, chunk, end]
+        self.window.rows, self.window.positions, self.window.length = rows, query, end
+        out = self.model(
+            input_ids=input_ids[rows, start:end],
+            attention_mask=mask[:, None],
+            position_ids=position_ids[rows, start:end],
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **self.cache_position(query),
+        )
+        return out.logits[:, -1, :]  # type: ignore[no-any-return]
 
     def forward(self) -> torch.Tensor:
         """One decode step over the current window (what a graph records)."""
