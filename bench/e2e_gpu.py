@@ -78,6 +78,7 @@ PER_STEP = (
     "throughput/decode_steps",
     "throughput/decode_row_steps",
     "throughput/decode_parked",
+    "throughput/decode_prefills",
     "train/reward_mean",
     "train/response_len_mean",
     "throughput/tokens_per_s",

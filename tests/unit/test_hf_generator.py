@@ -501,7 +501,8 @@ def test_the_static_decode_holds_the_cache_its_rows_reached_and_parks_what_outgr
         monkeypatch.setattr(generator, "_free_bytes", lambda: free)
         generator.take_stats()
         bounded = generator.generate(ids, params)
-        parked = generator.take_stats()["throughput/decode_parked"]
+        stats = generator.take_stats()
+        parked = stats["throughput/decode_parked"]
     finally:
         generator.static_cache = False
         hook.remove()
@@ -511,6 +512,7 @@ def test_the_static_decode_holds_the_cache_its_rows_reached_and_parks_what_outgr
     resumed = prefills[1:]
     assert resumed and all(rows < 24 and positions > width for _, (rows, positions) in resumed)
     assert parked == sum(rows for _, (rows, _) in resumed)  # each waited once
+    assert stats["throughput/decode_prefills"] == len(prefills)
     assert all(window == 0 for _, window in held)  # the storage is the window: it grew
     assert len({nbytes for nbytes, _ in held}) > 4
     assert max(nbytes for nbytes, _ in held) <= budget
@@ -825,6 +827,7 @@ def test_the_decode_reports_where_its_time_went(
     assert stats["throughput/decode_steps"] == steps
     assert stats["throughput/decode_row_steps"] == len(rollouts) * steps
     assert stats["throughput/decode_parked"] == 0  # (a CPU's decode has no memory bound)
+    assert stats["throughput/decode_prefills"] == 1
     parts = ["prefill", "forward", "sample", "bookkeeping"]
     assert all(stats[f"timing/decode_{part}_s"] > 0 for part in parts[:1] + parts[2:])
     if steps > 1:

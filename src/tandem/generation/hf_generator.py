@@ -416,7 +416,7 @@ class HfGenerator(Generator):
         token = tokens[:, 0]
         clock = PhaseClock(self.device)
         clock.start()
-        step, row_steps, decode_steps, parks, weights, fresh = 0, 0, 0, 0, None, True
+        step, row_steps, decode_steps, parks, prefills, weights, fresh = 0, 0, 0, 0, 0, None, True
         while True:
             with self.gate.step() as version:  # a refit lands between two of these
                 if fresh or version != weights:  # the start, resumed rows, or new weights
@@ -430,6 +430,7 @@ class HfGenerator(Generator):
                         budget,
                     )
                     logits, first, fresh, weights = decoder.logits, step, False, version
+                    prefills += 1
                     clock.mark("prefill")
                 else:
                     assert decoder is not None
@@ -483,7 +484,8 @@ class HfGenerator(Generator):
                 on_host = rows.cpu()
                 clock.mark("compact")
             step += 1
-        self._count(clock.seconds(), steps=decode_steps, row_steps=row_steps, parked=parks)
+        counts = {"steps": decode_steps, "row_steps": row_steps, "parked": parks}
+        self._count(clock.seconds(), prefills=prefills, **counts)
         return self._samples(tokens, logprobs, lengths, stopped, stop_cut, row_versions)
 
     def _left_padded(
@@ -517,7 +519,9 @@ class HfGenerator(Generator):
         ``sample``, ``bookkeeping`` (the step's tokens written, stops found, its one host
         sync), ``compact`` (finished rows leaving)), and how much they decoded
         (``throughput/decode_steps``; ``throughput/decode_row_steps``: rows summed over
-        steps; ``throughput/decode_parked``: rows that waited for memory)."""
+        steps; ``throughput/decode_parked``: rows that waited for memory;
+        ``throughput/decode_prefills``: the prefills, one a decode and one more for each group
+        of resumed rows and each weight version landing mid-decode)."""
         stats, self._stats = dict(self._stats), defaultdict(float)
         return stats
 
