@@ -14,9 +14,12 @@ attends over the whole static cache, transformers' sdpa copying the grouped key/
 (``real_scale_figures.decode_roofline`` at the device-to-device copy rate). ``tandem_compiled``
 is the graphed decode of a second generator whose decoder layers are compiled
 (``generation.compile``); ``tandem_two_chunks`` decodes the rows in two halves one after the
-other (as where the cache of every row to the cap does not fit the device). Each line of
+other (as where the cache of every row to the cap does not fit the device);
+``tandem_refit_mid`` is the graphed decode with a new weight version landing halfway (the same
+weights: every row still decoding is prefilled again, as after an in-flight refit). Each line of
 tandem's paths carries the decode's model call per step (``forward_ms_per_step``, the
-generator's ``timing/decode_forward_s`` over its steps) and its decode steps and parked rows.
+generator's ``timing/decode_forward_s`` over its steps), its decode steps, parked rows and
+prefills; on a GPU every line has the run's peak of allocated device memory (``peak_gb``).
 
     PYTHONPATH=src:bench python bench/hf_generate_gpu.py [--shape 0.5b] [--rounds 3]
         [--model DIR --max-tokens 2048 --paths tandem_cuda_graphs tandem_whole_reads --roofline]
@@ -25,11 +28,14 @@ generator's ``timing/decode_forward_s`` over its steps) and its decode steps and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from ceilings import emit, measure_ceilings
@@ -44,6 +50,7 @@ PATHS = ("tandem_cuda_graphs", "tandem_static_eager", "tandem_dynamic", "transfo
 WHOLE = "tandem_whole_reads"
 COMPILED = "tandem_compiled"
 CHUNKS = "tandem_two_chunks"
+REFIT = "tandem_refit_mid"
 
 
 def main() -> None:
@@ -55,7 +62,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", type=Path, default=None, help="a model folder to use")
     parser.add_argument(
-        "--paths", nargs="+", default=list(PATHS), choices=[*PATHS, WHOLE, COMPILED, CHUNKS]
+        "--paths", nargs="+", default=list(PATHS), choices=[*PATHS, WHOLE, COMPILED, CHUNKS, REFIT]
     )
     parser.add_argument("--roofline", action="store_true")
     args = parser.parse_args()
@@ -130,9 +137,29 @@ def main() -> None:
         finally:
             generator.max_batch_size = limit
 
+    def ours_refit_mid(warm: bool = False) -> int:
+        """The graphed decode with the weights' version one higher from its middle step on:
+        the generator prefills its rows again (the weights are the same, so are the tokens)."""
+        gate: Any = generator.gate
+        real, steps = gate.step, [0]
+        half = (16 if warm else args.max_tokens) // 2
+
+        @contextlib.contextmanager
+        def step() -> Iterator[int]:
+            with real() as version:
+                steps[0] += 1
+                yield version + (steps[0] > half)
+
+        gate.step = step
+        try:
+            return ours(True, True, warm=warm)
+        finally:
+            gate.step = real
+
     every = {
         "tandem_cuda_graphs": lambda warm=False: ours(True, True, warm=warm),
         CHUNKS: ours_two_chunks,
+        REFIT: ours_refit_mid,
         "tandem_static_eager": lambda warm=False: ours(False, True, warm=warm),
         "tandem_dynamic": lambda warm=False: ours(False, False, warm=warm),
         "transformers_generate": transformers_generate,
@@ -147,19 +174,28 @@ def main() -> None:
     tokens: dict[str, int] = {}
     step_ms: dict[str, list[float]] = {name: [] for name in paths}
     counts: dict[str, dict[str, int]] = {}  # decode steps, parked rows (the last round's)
+    peaks: dict[str, list[int]] = {name: [] for name in paths}  # allocated device bytes
     for _ in range(args.rounds):
         for name, run in paths.items():
             sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             forward_ms.pop("last", None)
             tokens[name] = run()
             sync()
             times[name].append(time.perf_counter() - start)
+            if cuda:
+                peaks[name].append(torch.cuda.max_memory_allocated())
             if "last" in forward_ms:
                 step_ms[name].append(forward_ms["last"])
                 counts[name] = {
                     key.split("/decode_")[1]: int(decoded[key])
-                    for key in ("throughput/decode_steps", "throughput/decode_parked")
+                    for key in (
+                        "throughput/decode_steps",
+                        "throughput/decode_parked",
+                        "throughput/decode_prefills",
+                    )
                 }
     generate = times.get("transformers_generate")
     reference = statistics.median(generate) if generate else None
@@ -178,6 +214,8 @@ def main() -> None:
             "ratio_to_generate": round(median / reference, 3) if reference else None,
             "work": f"{args.prompts}x{args.generations}x<={args.max_tokens}",
         }
+        if peaks[name]:
+            record["peak_gb"] = round(max(peaks[name]) / 1e9, 2)
         if step_ms[name]:
             record["forward_ms_per_step"] = round(statistics.median(step_ms[name]), 3)
             record["decode"] = counts[name]
