@@ -855,6 +855,7 @@ def test_a_phase_clock_charges_each_part_its_time() -> None:
     assert 0.04 <= seconds["a"] < 0.5 and 0.01 <= seconds["b"] < 0.25
 
 
+@pytest.mark.xdist_group("inductor")  # one worker, one after another: Inductor compiles once
 def test_compiled_layers_decode_the_same_samples_and_compile_once_for_every_layer(
     generator: HfGenerator, captures: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -906,6 +907,7 @@ def test_compiled_layers_decode_the_same_samples_and_compile_once_for_every_laye
         assert c.response_logprobs == pytest.approx(e.response_logprobs, rel=1e-5, abs=1e-5)
 
 
+@pytest.mark.xdist_group("inductor")  # one worker, one after another: Inductor compiles once
 @pytest.mark.parametrize("compile_layers", [True, False])
 def test_a_failed_capture_drops_the_compiled_layers_before_the_graphs(
     generator: HfGenerator,

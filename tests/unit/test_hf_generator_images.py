@@ -82,6 +82,7 @@ def test_the_static_cache_decode_samples_as_the_dynamic_one(generator: HfGenerat
     assert float(gap.max()) <= 1e-5
 
 
+@pytest.mark.xdist_group("inductor")  # one worker, one after another: Inductor compiles once
 def test_compiled_layers_sample_image_prompts_as_the_eager_decode(
     generator: HfGenerator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -144,6 +144,7 @@ def test_activation_checkpointing_keeps_names_and_gradients(model_dir: Path) -> 
         assert torch.allclose(grad, b[name], atol=1e-7), name
 
 
+@pytest.mark.xdist_group("inductor")  # one worker, one after another: Inductor compiles once
 def test_compiled_layers_keep_names_and_train_like_eager(model_dir: Path) -> None:
     """policy.compile with checkpointing: the same names, logprobs and gradients as the eager
     trainer (Inductor's fused kernels round differently: 1e-5), and rows of another length, or
