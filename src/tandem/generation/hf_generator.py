@@ -456,11 +456,7 @@ class HfGenerator(Generator):
             if step + 1 == steps or decoding == 0:
                 if not waiting:
                     break
-                step, rows = waiting.pop()  # parked rows go on where they stopped
-                resumed = self._resumable(len(rows), width + step, width + steps, free)
-                if resumed < len(rows):
-                    waiting.append((step, rows[resumed:]))
-                    rows = rows[:resumed]
+                step, rows = self._resume(waiting, width, steps, free)
                 member.zero_()[rows] = True
                 on_host, fresh = rows.cpu(), True
                 continue
@@ -500,12 +496,19 @@ class HfGenerator(Generator):
             valid[row, width - len(prompt) : width] = True
         return input_ids.to(self.device), valid.to(self.device)
 
-    def _resumable(self, rows: int, width: int, capacity: int, free: int | None) -> int:
-        """How many of ``rows`` parked rows of ``width`` positions so far to prefill again at
-        once (``_rows_fitting`` against the ``free`` bytes the decode started with): as many as
-        can go on to ``capacity`` positions, so they park no more; at least one
-        (``rows_at_once`` checked that one fits)."""
-        return max(1, self._rows_fitting(rows, rows, width, capacity - width, free))
+    def _resume(
+        self, waiting: list[tuple[int, torch.Tensor]], width: int, steps: int, free: int | None
+    ) -> tuple[int, torch.Tensor]:
+        """The last parked rows of ``waiting`` to go on (the step they resume at, the rows), as
+        many at once as ``_rows_fitting`` takes against the ``free`` bytes the decode started
+        with, each row's cache to the cap (``width + steps``), so they park no more; at least
+        one (``rows_at_once`` checked that one fits). The others wait on."""
+        step, rows = waiting.pop()
+        done = width + step  # positions each row has so far
+        at_once = max(1, self._rows_fitting(len(rows), len(rows), done, steps - step, free))
+        if at_once < len(rows):
+            waiting.append((step, rows[at_once:]))
+        return step, rows[:at_once]
 
     def _count(self, seconds: dict[str, float], **counts: int) -> None:
         for part, value in seconds.items():
