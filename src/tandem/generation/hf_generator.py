@@ -349,13 +349,20 @@ class HfGenerator(Generator):
     def _row_cost(self, width: int, steps: int) -> tuple[int, int]:
         """What rows of ``width`` positions so far take on the device with a KV cache of
         ``steps`` more: each row's bytes (its cache, logits, and where its prefill runs in one
-        call, that prefill's activations: ``row_bytes``) and the bytes the rows share (a
-        windowed decode of text prefills in calls of at most ``PREFILL_TOKENS`` tokens)."""
+        call, that prefill's activations: ``row_bytes``) and the bytes the rows share
+        (``_prefill_room``)."""
         config, dtype = self.model.config, self.model.dtype
         if not self._chunked_prefill():
             return row_bytes(config, dtype, width, steps), 0
-        shared = prefill_bytes(config, dtype, kv_cache.PREFILL_TOKENS)
-        return row_bytes(config, dtype, 0, width + steps), shared
+        return row_bytes(config, dtype, 0, width + steps), self._prefill_room()
+
+    def _prefill_room(self) -> int:
+        """Bytes a decode keeps free beside its rows for a prefill call's activations: a
+        windowed decode of text prefills in calls of at most ``PREFILL_TOKENS`` tokens (0
+        elsewhere: each row counts its own prefill)."""
+        if not self._chunked_prefill():
+            return 0
+        return prefill_bytes(self.model.config, self.model.dtype, kv_cache.PREFILL_TOKENS)
 
     def _rows_fitting(
         self, total: int, limit: int, width: int, steps: int, free: int | None
@@ -410,8 +417,8 @@ class HfGenerator(Generator):
         member = torch.ones(size, dtype=torch.bool, device=self.device)  # in the decode now
         waiting: list[tuple[int, torch.Tensor]] = []  # parked rows: (the step they resume at, rows)
         free = self._free_bytes()
-        budget = decode_budget(free)  # the cache's (room is kept for a prefill's activations)
-        budget = None if budget is None else budget - self._row_cost(width, 0)[1]
+        budget = decode_budget(free)  # the cache's: room is kept for a prefill call
+        budget = None if budget is None else budget - self._prefill_room()
         decoder: Decoder | None = None
         token = tokens[:, 0]
         clock = PhaseClock(self.device)
