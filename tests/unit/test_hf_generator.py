@@ -598,6 +598,54 @@ def test_a_prefill_runs_in_bounded_calls_once_the_decode_before_it_let_go_of_its
         assert c.response_logprobs == pytest.approx(w.response_logprobs, rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.parametrize("sliding", [False, True], ids=["growing-cache", "sliding-windows"])
+def test_a_gpu_decode_without_windows_prefills_in_chunks_of_positions(
+    generator: HfGenerator, monkeypatch: pytest.MonkeyPatch, sliding: bool
+) -> None:
+    """A GPU decode that is not windowed (its model has sliding windows or linear attention:
+    transformers' own cache) prefills all its rows in chunks of at most ``PREFILL_TOKENS``
+    tokens, each chunk over the keys of the chunks before; so does a prefill again (rows
+    whose weights changed mid-decode prefill their decoded tokens too). The samples are
+    those of one call, for the embedded model's cache and for a model of sliding windows."""
+    import transformers
+
+    from tandem.generation import kv_cache
+
+    ids = _prompt_ids(generator)
+    model = generator.model
+    if sliding:  # the embedded model's weights with windows of 4 positions in every layer
+        config = transformers.Qwen2Config(
+            **{**model.config.to_dict(), "layer_types": None, "use_sliding_window": True},
+        )
+        config.sliding_window, config.max_window_layers = 4, 0
+        config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+        windowed = transformers.Qwen2ForCausalLM(config).eval()
+        windowed.load_state_dict(model.state_dict())
+        monkeypatch.setattr(generator, "model", windowed)
+    params = SamplingParams(temperature=1.0, max_tokens=24, n=4, seed=3)
+    whole = generator.generate(ids, params)
+    rows = len(ids)  # the n samples of a prompt prefill once
+    tokens = 2 * rows  # two positions a call
+    calls: list[tuple[int, int, int]] = []  # (rows, positions, keys)
+    hook = generator.model.register_forward_pre_hook(
+        lambda _m, _a, kw: calls.append((*kw["input_ids"].shape, kw["attention_mask"].shape[-1])),
+        with_kwargs=True,
+    )
+    monkeypatch.setattr(generator, "_chunked_prefill", lambda: True)
+    monkeypatch.setattr(kv_cache, "PREFILL_TOKENS", tokens)
+    try:
+        chunked = generator.generate(ids, params)
+    finally:
+        hook.remove()
+    width = max(len(p) for p in ids)
+    prefill = [call for call in calls if call[2] <= width]  # a decode step reads more keys
+    chunks = [(start, min(start + 2, width)) for start in range(0, width, 2)]
+    assert prefill == [(rows, end - start, end) for start, end in chunks]
+    assert [r.response_token_ids for r in chunked] == [r.response_token_ids for r in whole]
+    for c, w in zip(chunked, whole, strict=True):
+        assert c.response_logprobs == pytest.approx(w.response_logprobs, rel=1e-4, abs=1e-5)
+
+
 def test_folded_decode_attention_equals_attention_over_repeated_heads() -> None:
     """A decode step's grouped query heads folded into rows of their key/value head give the
     attention over keys and values copied per query head (transformers' way), masked rows

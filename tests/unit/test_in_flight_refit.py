@@ -103,13 +103,15 @@ def test_weights_swapped_after_stopped_rows_left_the_decode() -> None:
     check_versions_and_logprobs(rollouts, 3, reference.model, new_reference.model, atol=1e-4)
 
 
-def test_a_refit_prefills_the_windowed_decode_again_in_bounded_calls(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("windowed", [True, False], ids=["windowed", "transformers-cache"])
+def test_a_refit_prefills_the_gpu_decode_again_in_bounded_calls(
+    monkeypatch: pytest.MonkeyPatch, windowed: bool
 ) -> None:
-    """The GPU's decode (the windowed static cache, run on the CPU here) under an in-flight
-    refit: the rows are prefilled again with the new weights, prompt and tokens so far, in
-    model calls of at most ``PREFILL_TOKENS`` tokens (a row in chunks of positions), and each
-    token's logprob is that of the model that sampled it."""
+    """The GPU's decode (run on the CPU here: the windowed static cache, and the decode of a
+    model of sliding windows, over transformers' own cache) under an in-flight refit: the rows
+    are prefilled again with the new weights, prompt and tokens so far, in model calls of at
+    most ``PREFILL_TOKENS`` tokens (rows in groups and a row in chunks of positions; all rows
+    in chunks of positions), and each token's logprob is that of the model that sampled it."""
     from tandem.generation import kv_cache
 
     gen, reference = _hf(), _hf()
@@ -122,8 +124,10 @@ def test_a_refit_prefills_the_windowed_decode_again_in_bounded_calls(
         with gen.gate.update(version=1):
             gen.load_weights(iter(new.items()))
 
-    monkeypatch.setattr(kv_cache, "PREFILL_TOKENS", 8)
-    gen.static_cache = True
+    tokens = 8
+    monkeypatch.setattr(kv_cache, "PREFILL_TOKENS", tokens)
+    gen.static_cache = windowed
+    monkeypatch.setattr(gen, "_chunked_prefill", lambda: True)
     hook = gen.model.register_forward_pre_hook(
         lambda _m, _a, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True
     )
@@ -134,7 +138,7 @@ def test_a_refit_prefills_the_windowed_decode_again_in_bounded_calls(
     steps = [i for i, (_, positions) in enumerate(calls) if positions == 1]
     again = [calls[i] for i in range(steps[0], len(calls)) if calls[i][1] > 1]
     assert again and len(again) > len({len(p) for p in ids})  # rows prefilled again, in parts
-    assert all(rows * positions <= 8 for rows, positions in calls)
+    assert all(rows * positions <= tokens for rows, positions in calls)
     assert max(len(r.response_token_ids) for r in rollouts) > 3
     new_reference = _hf()
     new_reference.load_weights(iter(new.items()))

@@ -387,9 +387,10 @@ class HfGenerator(Generator):
         return self.static_cache and full_attention_only(self.model.config)
 
     def _chunked_prefill(self) -> bool:
-        """The prefill runs in calls of at most ``PREFILL_TOKENS`` tokens: a windowed decode of
-        text (an image prompt's prefill runs whole, its vision features in place)."""
-        return self._windowed() and not self.vision
+        """The prefill runs in calls of at most ``PREFILL_TOKENS`` tokens: a windowed decode's
+        and any GPU decode's of text (an image prompt's prefill runs whole, its vision features
+        in place; a CPU's decode is not bounded in bytes, and one call runs sooner there)."""
+        return (self._windowed() or self.device.type == "cuda") and not self.vision
 
     @torch.inference_mode()
     def _generate_batch(
@@ -619,7 +620,9 @@ class HfGenerator(Generator):
         to each: the same tokens at the same real positions, and for image prompts the same
         images too (rows may share tokens but not images; ``model``, an ``ImagePrefill``, ran
         each image through the tower once); ``keep`` selects rows of the cache, the mask and
-        the positions."""
+        the positions. Where ``_chunked_prefill``, the prefill runs in chunks of positions of
+        at most ``PREFILL_TOKENS`` tokens over all its rows, each chunk attending the keys the
+        ones before it wrote."""
         from tandem.generation.kv_cache import growing_cache
 
         width = input_ids.shape[1]
@@ -629,14 +632,21 @@ class HfGenerator(Generator):
         first, inverse = same_prefill(input_ids, valid, images)
         if isinstance(model, ImagePrefill):
             model = model.rows(first)
-        out = model(
-            input_ids=input_ids[first],
-            attention_mask=attention_mask[first, :width],
-            position_ids=position_ids[first],
-            past_key_values=growing_cache(model.config, width + steps),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        chunk = width
+        if self._chunked_prefill():
+            chunk = max(1, kv_cache.PREFILL_TOKENS // len(first))
+        cache = growing_cache(model.config, width + steps)  # None: the model makes its own
+        for start in range(0, width, chunk):
+            end = min(start + chunk, width)
+            out = model(
+                input_ids=input_ids[first, start:end],
+                attention_mask=attention_mask[first, :end],
+                position_ids=position_ids[first, start:end],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            cache = out.past_key_values
         out.past_key_values.batch_select_indices(inverse)
         state = {"cache": out.past_key_values, "position": position_ids[:, -1:]}
         state["mask"] = attention_mask

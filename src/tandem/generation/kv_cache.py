@@ -183,10 +183,11 @@ def kv_bytes_per_position(config: Any, dtype: torch.dtype) -> int:
 
 
 PREFILL_TOKENS = 1 << 14
-"""Tokens (rows x positions) a windowed decode's prefill runs through the model in one call:
-its rows go in groups of ``PREFILL_TOKENS // positions`` (a row longer than that, in chunks of
-positions), so the prefill's activations (``prefill_bytes``) are bounded whatever the rows
-and their lengths; a refit or a resumed row prefills again all that its rows decoded."""
+"""Tokens (rows x positions) a GPU decode's prefill runs through the model in one call: a
+windowed decode's rows go in groups of ``PREFILL_TOKENS // positions`` (a row longer than that,
+in chunks of positions), another decode's positions in chunks of ``PREFILL_TOKENS // rows``,
+so the prefill's activations (``prefill_bytes``) are bounded whatever the rows and their
+lengths; a refit or a resumed row prefills again all that its rows decoded."""
 
 
 def prefill_bytes(config: Any, dtype: torch.dtype, tokens: int) -> int:
