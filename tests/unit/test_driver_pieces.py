@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -147,6 +149,39 @@ def test_metrics_logger_writes_jsonl_tensorboard_and_plot(tmp_path: Path) -> Non
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     png = plot_run(records, tmp_path / "reward.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("records", "lines"),
+    [
+        ([{"step": 1, "train/loss": 0.5}, {"step": 2, "train/loss": 0.25}], ["train loss"]),
+        ([{"step": 1, "train/loss": 0.5, "eval/accuracy": 0.5}], ["held-out accuracy"]),
+        ([{"step": 1}], []),
+        ([], []),
+    ],
+    ids=["loss-only", "accuracy", "no-series", "empty"],
+)
+def test_a_run_without_rewards_or_evaluation_plots_without_warnings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, records: list[dict], lines: list[str]
+) -> None:
+    """A supervised run without evaluation plots its training loss (a run with rewards or
+    accuracies plots those); a run that logged nothing to plot still writes a PNG, and none
+    warns on the console (matplotlib's empty legend)."""
+    import matplotlib.pyplot as plt
+
+    plotted: list[str] = []
+    real = plt.Axes.plot
+
+    def plot(ax: Any, *args: Any, **kwargs: Any) -> Any:
+        plotted.append(kwargs["label"])
+        return real(ax, *args, **kwargs)
+
+    monkeypatch.setattr(plt.Axes, "plot", plot)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        png = plot_run(records, tmp_path / "reward.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plotted == lines
 
 
 def test_the_progress_bar_names_the_call_under_way(tmp_path: Path) -> None:
