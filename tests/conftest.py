@@ -1,13 +1,30 @@
-"""Shared fixtures; the GPU tests in one worker of a parallel run."""
+"""Shared fixtures; under a parallel run, each worker on its own cores and the GPU tests in one
+worker."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 GPU_TESTS = Path(__file__).parent / "gpu"
+
+
+def _own_cores() -> None:
+    """Under ``pytest -n N`` each worker, and every process it starts, computes on its own
+    share of the cores, so two workers' thread pools do not take turns on the same ones."""
+    worker, count = (
+        os.environ.get("PYTEST_XDIST_WORKER"),
+        os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
+    )
+    cores = sorted(os.sched_getaffinity(0))
+    if worker and count and len(cores) >= int(count) > 1:
+        os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) :: int(count)])
+
+
+_own_cores()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

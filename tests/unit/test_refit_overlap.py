@@ -89,12 +89,11 @@ def test_a_cpu_generator_receives_on_one_thread(runtime) -> None:  # type: ignor
 
     worker.generator.receive_weights = counted  # type: ignore[method-assign]
     worker.generator.generate = generate_counted  # type: ignore[method-assign]
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        rt.refit(version=1)  # (the generator's calls run on one thread, as in an actor)
-        rollouts = rt.generate([[1, 2, 3]], SamplingParams(max_tokens=3, n=2))
-    finally:
-        torch.set_num_threads(before)
+    # the generator's calls run on one thread, as in an actor: 2 intra-op threads there, whatever
+    # the cores this process may use (a parallel run's worker: one)
+    worker.set_threads = torch.set_num_threads  # type: ignore[attr-defined]
+    rt.generators.run("set_threads", 2)
+    rt.refit(version=1)
+    rollouts = rt.generate([[1, 2, 3]], SamplingParams(max_tokens=3, n=2))
     assert threads == [1, 2]  # the receive on one, the generation on both again
     assert [r.policy_version for r in rollouts] == [1, 1]  # the refit landed
