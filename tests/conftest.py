@@ -15,13 +15,13 @@ GPU_TESTS = Path(__file__).parent / "gpu"
 def _own_cores() -> None:
     """Under ``pytest -n N`` each worker, and every process it starts, computes on its own
     share of the cores, so two workers' thread pools do not take turns on the same ones."""
-    worker, count = (
-        os.environ.get("PYTEST_XDIST_WORKER"),
-        os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
-    )
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker is None or count < 2:
+        return  # a serial run: as the process found it
     cores = sorted(os.sched_getaffinity(0))
-    if worker and count and len(cores) >= int(count) > 1:
-        os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) :: int(count)])
+    if len(cores) >= count:
+        os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) :: count])
 
 
 _own_cores()
