@@ -24,6 +24,8 @@
 #                tokens: all rows in one decode (the cache grows with them), the rows in two
 #                halves (as before it grew), and one decode with new weights landing halfway
 #                (its rows prefilled again in bounded calls); each with its peak memory     ~480 s
+#   decode-7b-compile  the decode alone at 7B x 4096 tokens with compiled decoder layers
+#                (generation.compile) against eager ones, both captured in CUDA graphs      ~420 s
 #   decode-compile  the transformers generator's GPU tests (compiled layers among them); a
 #                sampling step's parts at 112 and 256 rows (bench/sampling_step.py); its
 #                decode at 0.5B x 2048 tokens with compiled decoder layers against without
@@ -65,7 +67,7 @@ usage() { sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2; 
 for part in "$@"; do
     case $part in
         offload | lora-refit | lora-phases | lora-trl | tests | decode | train-mfu | brief) ;;
-        decode-compile | decode-7b-4096) ;;
+        decode-compile | decode-7b-4096 | decode-7b-compile) ;;
         train-spread | train-pack | trained-floor | trained-floor-7b) ;;
         cell-*)
             base=$part
@@ -129,6 +131,10 @@ for part in "$@"; do
             run decode-7b-4096 400 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 7b \
                 --sides decode --max-tokens 4096 --budget-s 390 \
                 --decode-paths tandem_cuda_graphs tandem_two_chunks tandem_refit_mid ;;
+        decode-7b-compile)
+            run decode-7b-compile 450 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 7b \
+                --sides decode --max-tokens 4096 --budget-s 440 \
+                --decode-paths tandem_cuda_graphs tandem_compiled ;;
         decode-compile)
             run decode-compile 100 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
             for rows in 112 256; do
