@@ -178,3 +178,65 @@ def test_compiled_layers_decode_under_cuda_graphs(monkeypatch: pytest.MonkeyPatc
     assert [r.response_token_ids for r in again] == [r.response_token_ids for r in got]
     for g, e in zip(got, expected, strict=True):
         assert g.response_logprobs == pytest.approx(e.response_logprobs, rel=1e-4, abs=1e-4)
+
+
+def test_a_model_of_sliding_windows_prefills_in_chunks_of_positions_on_the_gpu(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model of sliding windows decodes over transformers' own cache (not the windowed
+    static one) and, on a GPU, prefills all its rows in chunks of positions of at most
+    ``PREFILL_TOKENS`` tokens: the samples and logprobs of one whole prefill, the logprobs the
+    model's own over the whole sequence."""
+    import shutil
+
+    import transformers
+
+    from tandem.generation import kv_cache
+
+    base = transformers.AutoConfig.from_pretrained(DEFAULT_MODEL_DIR)
+    config = transformers.Qwen2Config(
+        **{**base.to_dict(), "layer_types": None, "use_sliding_window": True}
+    )
+    config.sliding_window, config.max_window_layers = 4, 0
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    windowed = transformers.Qwen2ForCausalLM(config)
+    windowed.load_state_dict(
+        transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR).state_dict()
+    )
+    windowed.save_pretrained(tmp_path)
+    for name in DEFAULT_MODEL_DIR.iterdir():  # the tokenizer's files
+        if "token" in name.name and not (tmp_path / name.name).exists():
+            shutil.copy(name, tmp_path / name.name)
+    generator = HfGenerator(tmp_path, device="cuda:0", dtype="float32")
+    assert generator.static_cache and not generator._windowed() and generator._chunked_prefill()
+    texts = ["17+25=", "3-1=", "Question: 12*3?\n", "99+99="]
+    prompts = [generator.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    params = SamplingParams(temperature=2.0, max_tokens=16, n=4, seed=3)
+    whole = generator.generate(prompts, params)  # one call: PREFILL_TOKENS >> the prompts
+    calls: list[tuple[int, int, int]] = []  # (rows, positions, keys)
+    hook = generator.model.register_forward_pre_hook(
+        lambda _m, _a, kw: calls.append((*kw["input_ids"].shape, kw["attention_mask"].shape[-1])),
+        with_kwargs=True,
+    )
+    monkeypatch.setattr(kv_cache, "PREFILL_TOKENS", 2 * len(prompts))  # two positions a call
+    try:
+        chunked = generator.generate(prompts, params)
+    finally:
+        hook.remove()
+    width = max(len(p) for p in prompts)
+    prefill = [call for call in calls if call[2] <= width]  # a decode step reads more keys
+    ends = [min(start + 2, width) for start in range(0, width, 2)]
+    assert prefill == [
+        (len(prompts), end - start, end)
+        for start, end in zip(range(0, width, 2), ends, strict=True)
+    ]
+    assert [r.response_token_ids for r in chunked] == [r.response_token_ids for r in whole]
+    assert max(len(r.response_token_ids) for r in chunked) > 4  # decoded past a window
+    for c, w in zip(chunked, whole, strict=True):
+        assert c.response_logprobs == pytest.approx(w.response_logprobs, rel=1e-4, abs=1e-4)
+        ids = torch.tensor([c.prompt_token_ids + c.response_token_ids], device="cuda:0")
+        with torch.no_grad():
+            logits = generator.model(ids).logits[0, len(c.prompt_token_ids) - 1 : -1].float()
+        response = torch.tensor(c.response_token_ids, device="cuda:0")[:, None]
+        direct = torch.log_softmax(logits, -1).gather(-1, response)[:, 0]
+        assert c.response_logprobs == pytest.approx(direct.tolist(), abs=1e-4)
