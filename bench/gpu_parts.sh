@@ -123,11 +123,11 @@ for part in "$@"; do
         tests)
             run tests 560 "${gpu_tests[@]}" tests/gpu ;;
         decode)
-            run decode 90 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
+            run decode 120 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
             run decode 270 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 0.5b \
                 --sides decode --budget-s 250 ;;
         decode-7b-4096)
-            run decode-7b-4096 80 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
+            run decode-7b-4096 120 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
             run decode-7b-4096 400 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 7b \
                 --sides decode --max-tokens 4096 --budget-s 390 \
                 --decode-paths tandem_cuda_graphs tandem_two_chunks tandem_refit_mid ;;
@@ -136,14 +136,14 @@ for part in "$@"; do
                 --sides decode --max-tokens 4096 --budget-s 440 \
                 --decode-paths tandem_cuda_graphs tandem_compiled ;;
         decode-compile)
-            run decode-compile 100 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
+            run decode-compile 120 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
             for rows in 112 256; do
                 run decode-compile 40 python3 bench/sampling_step.py --rows "$rows"
             done
             run decode-compile 180 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 0.5b \
                 --sides decode --budget-s 170 --decode-paths tandem_cuda_graphs tandem_compiled
-            run decode-compile 220 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 1.5b \
-                --sides tandem --budget-s 210 --set generation.compile=true ;;
+            run decode-compile 200 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh 1.5b \
+                --sides tandem --budget-s 190 --set generation.compile=true ;;
         train-mfu)
             run train-mfu 330 python3 bench/train_phase_profile.py --shape 1.5b --sequences 32 \
                 --length 2048 --steps 2 --settings fsdp_mp_ac_compile fsdp_mp_ac fsdp_mp_compile \
@@ -170,7 +170,7 @@ for part in "$@"; do
                 fsdp_mp_ac_compile --micro-batch-size 64 --max-tokens-per-micro-batch 65536 ;;
         brief)
             run brief 90 python3 bench/pinned_rate.py
-            run brief 90 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
+            run brief 120 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
             run brief 200 python3 bench/train_phase_profile.py --shape 1.5b --sequences 32 \
                 --length 2048 --steps 2 --settings fsdp_mp_ac_compile fsdp_mp_ac \
                 --micro-batch-size 8 --max-tokens-per-micro-batch 16384 ;;
@@ -198,7 +198,7 @@ for part in "$@"; do
             esac
             for item in ${SET:-}; do sides+=(--set "$item"); done
             if [ "$cell" != tiny ] && [ "${sides[1]:-}" != trl ]; then  # the sleep it runs on
-                run "$part" 80 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py
+                run "$part" 80 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py -k sleep
             fi
             run "$part" 510 env OUT="$OUT/real-scale" bash bench/real_scale_gpu.sh "$cell" \
                 --budget-s 480 "${sides[@]}" "${tokens[@]}" ;;
