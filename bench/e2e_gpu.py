@@ -69,6 +69,8 @@ PER_STEP = (
     "memory/trainer_resident_bytes",
     "memory/trainer_peak_refit_bytes",
     "memory/trainer_alloc_retries",
+    "compile/graphs",  # policy.compile: the graphs the step built, and the seconds it took
+    "compile/seconds",
     "gen/logprob_mismatch",
     "timing/decode_prefill_s",  # the transformers generator's decode (HfGenerator.take_stats)
     "timing/decode_forward_s",

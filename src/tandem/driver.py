@@ -6,6 +6,7 @@ the steps, finish. The algorithms' arithmetic lives in ``tandem.algorithms``."""
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from tandem.cluster.spec import RuntimeSpec
 
 AnyConfig = TypeVar("AnyConfig", GrpoConfig, SftConfig, DpoConfig)
+log = logging.getLogger(__name__)
 
 
 def settle_runtime(
@@ -95,6 +97,8 @@ class Run:
     eval_every: int
     resumed: dict[str, Any] = field(default_factory=dict)
     """The driver state of the checkpoint a resumed run starts from ({} for a fresh run)."""
+    compiled_again: bool = False
+    """A step after this process's first built ``torch.compile`` graphs (warned once)."""
 
     def steps(self) -> range:
         """The steps still to run (after the checkpoint of a resumed run)."""
@@ -111,10 +115,27 @@ class Run:
     def log(self, step: int, metrics: dict[str, float], state: DriverState | None = None) -> None:
         """The step's metrics to every sink, then its checkpoint if one is due (with
         ``state``'s, when given)."""
+        self._warn_compiling(step, metrics)
         self.logger.log(step, metrics)
         if step > 0 and self.checkpoints.due(step, self.num_steps):
             driver_state = {} if state is None else state.checkpoint_state()
             self.checkpoints.save(step, self.runtime, driver_state)
+
+    def _warn_compiling(self, step: int, metrics: dict[str, float]) -> None:
+        """Compiled layers build their graphs in the first step; one built later is a form of
+        call not seen before (a new shape kind, grad mode, dtype), compiled at the step's
+        expense: said once, with where torch logged why."""
+        graphs = metrics.get("compile/graphs", 0.0)
+        if graphs > 0 and step > self.start_step + 1 and not self.compiled_again:
+            self.compiled_again = True
+            log.warning(
+                "step %d: policy.compile built %d more graph(s) (%.1f s of compiling) after the"
+                " first step; the guards that failed are in %s",
+                step,
+                graphs,
+                metrics.get("compile/seconds", 0.0),
+                self.run_dir / "logs" / "console.log",
+            )
 
 
 @contextmanager

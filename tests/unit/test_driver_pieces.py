@@ -202,3 +202,40 @@ def test_metrics_line_is_one_line_off_a_terminal(
     line = format_console_line({"step": 1, **metrics})
     assert len(line) > 80  # wider than rich's default width when stderr is not a terminal
     assert line in capsys.readouterr().err.splitlines()
+
+
+@pytest.mark.parametrize("start", [0, 4], ids=["fresh", "resumed"])
+def test_graphs_compiled_after_the_first_step_warn_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, start: int
+) -> None:
+    """The first step of a process builds the compiled layers' graphs; a graph built in a
+    later step is a form of call compiled at that step's expense: one warning with the step,
+    the graphs, the seconds and where torch logged why. A resumed run's first step compiles
+    anew without one."""
+    from tandem.config import GrpoConfig, load_config
+    from tandem.driver import open_run
+
+    overrides = [f"logging.run_dir={tmp_path}", "logging.tensorboard=false"]
+    overrides += ["logging.progress=false", "checkpoint.enabled=false"]
+    overrides += ["checkpoint.export_hf=false", "algorithm.num_steps=9"]
+    config = load_config(GrpoConfig, None, overrides)
+
+    class Workers:  # what open_run asks of a runtime that is not resumed or exported
+        where = "nowhere"
+
+    built = {"compile/graphs": 3.0, "compile/seconds": 41.5}
+    none = {"compile/graphs": 0.0, "compile/seconds": 0.0}
+    with open_run(config, tmp_path / "run", False, Workers()) as run:  # type: ignore[arg-type]
+        run.start_step = start  # (a resumed run's, without a checkpoint to load)
+        with caplog.at_level("WARNING", logger="tandem.driver"):
+            run.log(start + 1, built)
+            run.log(start + 2, none)
+            assert not caplog.records
+            run.log(start + 3, {**built, "compile/graphs": 2.0})
+            run.log(start + 4, built)
+    [record] = caplog.records
+    message = record.getMessage()
+    assert f"step {start + 3}:" in message and "2 more graph(s)" in message
+    assert "41.5 s" in message and str(tmp_path / "run" / "logs" / "console.log") in message
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["compile/graphs"] for m in metrics] == [3.0, 0.0, 2.0, 3.0]

@@ -182,6 +182,26 @@ def test_compiled_layers_keep_names_and_train_like_eager(model_dir: Path) -> Non
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.xdist_group("inductor")
+def test_a_compiled_trainer_reports_the_graphs_each_step_built(tmp_path: Path) -> None:
+    """``compile/graphs`` and ``compile/seconds`` of a step: the first builds the graphs, a
+    step of other lengths builds none, and one of a form of call not seen before (here another
+    intra-op thread count, which torch's guards check) builds more."""
+    from tandem.cluster.actors import TrainerWorker, intra_op_threads
+    from tandem.config.models import GenerationConfig, RefitConfig
+
+    config = policy(write_tiny_qwen2(tmp_path, tied=True), compile=True)
+    worker = TrainerWorker(config, RefitConfig(transport="colocated"), GenerationConfig())
+    torch._dynamo.reset()  # graphs earlier tests built would serve this one
+    first = worker.train(make_batch(size=3), token_nll)
+    assert first["compile/graphs"] > 0 and first["compile/seconds"] > 0
+    again = worker.train(make_batch(seed=1, size=5, width=19), token_nll)
+    assert again["compile/graphs"] == 0 and again["compile/seconds"] == 0
+    with intra_op_threads(torch.get_num_threads() + 1):
+        other = worker.train(make_batch(seed=2, size=3), token_nll)
+    assert other["compile/graphs"] > 0 and other["compile/seconds"] > 0
+
+
 def prompt_group(prompt: int, completions: list[int]) -> TrainBatch:
     """Sequences that start with one ``prompt``-token prompt, right-padded, the loss on their
     own tokens."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.algorithms.protocols import RolloutRuntime
+from tandem.algorithms.protocols import RolloutRuntime, worker_metrics
 from tandem.config.dpo import DpoAlgorithmConfig
 from tandem.contracts import Count, Metrics
 from tandem.data.batch import TrainBatch
@@ -134,4 +134,5 @@ def dpo_step(
         "timing/train_s": end - scored,
         "timing/step_s": end - start,
         "throughput/tokens_per_s": float(batch.attention_mask.sum()) / (end - start),
+        **worker_metrics(trained),
     }

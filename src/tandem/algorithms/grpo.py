@@ -30,7 +30,7 @@ from tandem.algorithms.multiturn import (
     episode_rollout,
     run_episodes,
 )
-from tandem.algorithms.protocols import RolloutRuntime
+from tandem.algorithms.protocols import WORKER_METRICS, RolloutRuntime
 from tandem.algorithms.rollouts import Scores, rollouts_to_batch, score_rollouts
 from tandem.config.models import GrpoConfig, SamplingConfig
 from tandem.contracts import LossFn
@@ -176,7 +176,7 @@ def _distill(
 
 
 _TRAIN_METRICS = ("loss", "grad_norm", "lr", "importance_weight_mean", "updates")
-_PASSED_THROUGH = ("rollout_correction/", "memory/")
+_PASSED_THROUGH = ("rollout_correction/", *WORKER_METRICS)
 """Trainer metrics logged under their own names."""
 
 

@@ -35,7 +35,8 @@ class RolloutRuntime(Protocol):
         ...
 
     def train(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on ``batch``; the loss's metrics summed over ranks."""
+        """One optimizer step on ``batch``; the loss's metrics summed over ranks, and the
+        trainer's own figures under ``WORKER_METRICS`` prefixes."""
         ...
 
     def refit(self, version: int | None = None) -> dict[str, float]:
@@ -64,3 +65,13 @@ class PipelinedRuntime(RolloutRuntime, Protocol):
         """As ``RolloutRuntime.refit``; ``wait_generators=False`` returns once the trainers have
         sent, while the generators still load (their next call runs after it)."""
         ...
+
+
+WORKER_METRICS = ("memory/", "compile/")
+"""Prefixes of the trainer's own figures in ``train``'s metrics (its memory; what
+``torch.compile`` built in the step): every algorithm logs them under their own names."""
+
+
+def worker_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The trainer's own figures among ``train``'s ``metrics``."""
+    return {k: v for k, v in metrics.items() if k.startswith(WORKER_METRICS)}

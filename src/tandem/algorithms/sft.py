@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from tandem.algorithms.losses import nll_loss
-from tandem.algorithms.protocols import RolloutRuntime
+from tandem.algorithms.protocols import RolloutRuntime, worker_metrics
 from tandem.data.batch import TrainBatch, right_padded
 from tandem.data.prompts import PromptSource
 
@@ -35,4 +35,5 @@ def sft_step(
         "timing/train_s": elapsed,
         "timing/step_s": elapsed,
         "throughput/tokens_per_s": float(batch.attention_mask.sum()) / elapsed,
+        **worker_metrics(metrics),
     }

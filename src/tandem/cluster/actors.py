@@ -65,16 +65,20 @@ class TrainerWorker:
         total_steps: int | None = None,
         node_ip: str = "127.0.0.1",
     ):
+        from tandem.trainer.parallelize import compile_counts
         from tandem.trainer.refit import WeightSource
 
         trainer = trainer_class(policy)
         self.rank = rank
+        self._cuda = torch.cuda.is_available()
         self.policy = trainer(policy, rank=rank, world_size=world_size, total_steps=total_steps)
         self.reference = (
             trainer(policy, rank=rank, world_size=world_size, trainable=False)
             if with_reference and policy.lora is None
             else None
         )
+        # what torch.compile built since the last step reported it (``policy.compile``)
+        self._compiled = compile_counts() if policy.compile else None
         self.weights = WeightSource(
             self.policy,
             refit,
@@ -110,13 +114,24 @@ class TrainerWorker:
     def train(self, batch: TrainBatch, loss_fn: Any) -> dict[str, float]:
         """The policy's step; on a GPU also ``memory/trainer_alloc_retries``: how often the
         caching allocator found no free block, handed its cache back and retried during it
-        (memory pressure that serialises the step; 0 when the step fits)."""
-        if not torch.cuda.is_available():
-            return self.policy.train(batch, loss_fn)
-        before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        (memory pressure that serialises the step; 0 when the step fits). With
+        ``policy.compile``, ``compile/graphs`` and ``compile/seconds``: the graphs
+        ``torch.compile`` built since the last step (its logprob passes included) and the time
+        it took (none after the first step where every call runs a graph already built)."""
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if self._cuda else 0
         metrics = self.policy.train(batch, loss_fn)
-        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - before
-        return {**metrics, "memory/trainer_alloc_retries": float(retries)}
+        if self._cuda:
+            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
+            metrics["memory/trainer_alloc_retries"] = float(retries)
+        if self._compiled is not None:
+            from tandem.trainer.parallelize import compile_counts
+
+            now, before = compile_counts(), self._compiled
+            self._compiled = now
+            # (a count below the last one was reset since: torch._dynamo.reset())
+            graphs, seconds = (n - b if n >= b else n for n, b in zip(now, before, strict=True))
+            metrics["compile/graphs"], metrics["compile/seconds"] = float(graphs), seconds
+        return metrics
 
     def prepare_refit(self) -> Any:
         """Refit metadata and rendezvous (rank 0 returns the spec, other ranks None)."""

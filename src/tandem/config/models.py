@@ -115,8 +115,11 @@ class PolicyConfig(Section):
     memory fell by 13 GiB without. Fused bf16 arithmetic rounds differently from eager layers'
     so the transformers generator compiles its layers with it (``generation.compile`` unset):
     one side compiled raised the bf16 logprob mismatch, both sides lowered it. Micro-batches
-    then take no shared-prompt layout (``share_prompts``): one form of call, one graph. On a CPU
-    it needs a C++ compiler (and the generator stays eager there)."""
+    then take no shared-prompt layout (``share_prompts``): one form of call, one graph. Each
+    step reports ``compile/graphs`` and ``compile/seconds`` (what it built; 0 after the first
+    step), and a later step that builds graphs warns once, torch's reasons in the run's
+    ``logs/console.log``. On a CPU it needs a C++ compiler (and the generator stays eager
+    there)."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; gradients accumulate over the micro-batches of a step."""
     max_tokens_per_micro_batch: int | None = Field(16384, ge=1)

@@ -124,6 +124,23 @@ def compile_layers(model: nn.Module) -> None:
     default compiles the first shape statically and then once more for the next length."""
     for layer in decoder_layers(model):
         layer.compile(dynamic=True)
+    if "TORCH_LOGS" not in os.environ:  # why a graph compiles again: to the run's console log
+        torch._logging.set_logs(recompiles=True)
+
+
+COMPILE_TIMER = "_compile.compile_inner"
+"""torch's timer of a frame's compilation: Dynamo, AOTAutograd and Inductor, the backward
+graph included where torch builds it with the forward (2.13 does; one built lazily at the first
+backward would not count)."""
+
+
+def compile_counts() -> tuple[int, float]:
+    """The graphs ``torch.compile`` has built in this process so far and the seconds it spent
+    building them (``compile_layers``: a compiled step that builds none runs what it built)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    seconds = sum(compilation_time_metrics.get(COMPILE_TIMER, ()))
+    return int(counters["stats"]["unique_graphs"]), float(seconds)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
