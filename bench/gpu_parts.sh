@@ -197,6 +197,9 @@ for part in "$@"; do
                 *) sides=() ;;
             esac
             for item in ${SET:-}; do sides+=(--set "$item"); done
+            # compiled layers build a graph for each form of call when it first comes (a
+            # micro-batch of one row is one): steps 3 and 4 show the compiled step as it stays
+            case " ${SET:-}" in *compile=true*) sides+=(--steps 4) ;; esac
             if [ "$cell" != tiny ] && [ "${sides[1]:-}" != trl ]; then  # the sleep it runs on
                 run "$part" 80 "${gpu_tests[@]}" tests/gpu/test_hf_generator_gpu.py -k sleep
             fi

@@ -122,15 +122,16 @@ class Run:
             self.checkpoints.save(step, self.runtime, driver_state)
 
     def _warn_compiling(self, step: int, metrics: dict[str, float]) -> None:
-        """Compiled layers build their graphs in the first step; one built later is a form of
-        call not seen before (a new shape kind, grad mode, dtype), compiled at the step's
-        expense: said once, with where torch logged why."""
+        """Compiled layers build a graph for each form of call when it first comes, most in
+        the first step; one that comes later (a micro-batch of one row: torch specialises
+        sizes of 1; another grad mode or dtype) is compiled at that step's expense, once: said
+        once, with where torch logged why."""
         graphs = metrics.get("compile/graphs", 0.0)
         if graphs > 0 and step > self.start_step + 1 and not self.compiled_again:
             self.compiled_again = True
             log.warning(
-                "step %d: policy.compile built %d more graph(s) (%.1f s of compiling) after the"
-                " first step; the guards that failed are in %s",
+                "step %d: policy.compile built %d more graph(s) (%.1f s of compiling) for a form"
+                " of call the first step did not have (each is built once); why: %s",
                 step,
                 graphs,
                 metrics.get("compile/seconds", 0.0),

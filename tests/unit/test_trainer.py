@@ -185,8 +185,9 @@ def test_compiled_layers_keep_names_and_train_like_eager(model_dir: Path) -> Non
 @pytest.mark.xdist_group("inductor")
 def test_a_compiled_trainer_reports_the_graphs_each_step_built(tmp_path: Path) -> None:
     """``compile/graphs`` and ``compile/seconds`` of a step: the first builds the graphs, a
-    step of other lengths builds none, and one of a form of call not seen before (here another
-    intra-op thread count, which torch's guards check) builds more."""
+    step of other lengths builds none, and one with a form of call not seen before builds
+    more: a micro-batch of one row (torch specialises sizes of 1) or another intra-op thread
+    count (torch's guards check it)."""
     from tandem.cluster.actors import TrainerWorker, intra_op_threads
     from tandem.config.models import GenerationConfig, RefitConfig
 
@@ -197,8 +198,11 @@ def test_a_compiled_trainer_reports_the_graphs_each_step_built(tmp_path: Path) -
     assert first["compile/graphs"] > 0 and first["compile/seconds"] > 0
     again = worker.train(make_batch(seed=1, size=5, width=19), token_nll)
     assert again["compile/graphs"] == 0 and again["compile/seconds"] == 0
+    one_row = worker.train(make_batch(seed=2, size=1), token_nll)
+    assert one_row["compile/graphs"] > 0 and one_row["compile/seconds"] > 0
+    assert worker.train(make_batch(seed=3, size=1, width=7), token_nll)["compile/graphs"] == 0
     with intra_op_threads(torch.get_num_threads() + 1):
-        other = worker.train(make_batch(seed=2, size=3), token_nll)
+        other = worker.train(make_batch(seed=4, size=3), token_nll)
     assert other["compile/graphs"] > 0 and other["compile/seconds"] > 0
 
 

@@ -116,9 +116,9 @@ class PolicyConfig(Section):
     so the transformers generator compiles its layers with it (``generation.compile`` unset):
     one side compiled raised the bf16 logprob mismatch, both sides lowered it. Micro-batches
     then take no shared-prompt layout (``share_prompts``): one form of call, one graph. Each
-    step reports ``compile/graphs`` and ``compile/seconds`` (what it built; 0 after the first
-    step), and a later step that builds graphs warns once, torch's reasons in the run's
-    ``logs/console.log``. On a CPU it needs a C++ compiler (and the generator stays eager
+    step reports ``compile/graphs`` and ``compile/seconds`` (what it built: a graph per form of
+    call when it first comes, e.g. the first micro-batch of one row), and the first later step
+    that builds any warns, torch's reasons in the run's ``logs/console.log``. On a CPU it needs a C++ compiler (and the generator stays eager
     there)."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; gradients accumulate over the micro-batches of a step."""
