@@ -118,8 +118,8 @@ class PolicyConfig(Section):
     then take no shared-prompt layout (``share_prompts``): one form of call, one graph. Each
     step reports ``compile/graphs`` and ``compile/seconds`` (what it built: a graph per form of
     call when it first comes, e.g. the first micro-batch of one row), and the first later step
-    that builds any warns, torch's reasons in the run's ``logs/console.log``. On a CPU it needs a C++ compiler (and the generator stays eager
-    there)."""
+    that builds any warns, torch's reasons in the run's ``logs/console.log``. On a CPU it
+    needs a C++ compiler (and the generator stays eager there)."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; gradients accumulate over the micro-batches of a step."""
     max_tokens_per_micro_batch: int | None = Field(16384, ge=1)
