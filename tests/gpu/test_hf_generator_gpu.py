@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from in_flight import check_versions_and_logprobs, generate_with_refit_after, perturbed
+from in_flight import (
+    check_versions_and_logprobs,
+    forward_logprobs,
+    generate_two_positions_a_call,
+    generate_with_refit_after,
+    perturbed,
+    sliding_window_model,
+)
 
 from tandem.assets import DEFAULT_MODEL_DIR
 from tandem.generation import SamplingParams
@@ -38,12 +45,8 @@ def test_graphed_decode_matches_the_dynamic_cache(
     assert max(len(r.response_token_ids) for r in graphed) > 2
     for g, d in zip(graphed, dynamic, strict=True):
         assert g.response_logprobs == pytest.approx(d.response_logprobs, abs=1e-4)
-        ids = torch.tensor([g.prompt_token_ids + g.response_token_ids], device="cuda:0")
-        with torch.no_grad():
-            logits = generator.model(ids).logits[0, len(g.prompt_token_ids) - 1 : -1].float()
-        response = torch.tensor(g.response_token_ids, device="cuda:0")[:, None]
-        direct = torch.log_softmax(logits, -1).gather(-1, response)[:, 0]
-        assert g.response_logprobs == pytest.approx(direct.tolist(), abs=1e-4)
+        direct = forward_logprobs(generator.model, g)  # the model's own
+        assert g.response_logprobs == pytest.approx(direct, abs=1e-4)
 
 
 def test_a_decode_under_a_byte_budget_grows_its_cache_and_parks_rows_under_cuda_graphs(
@@ -191,19 +194,8 @@ def test_a_model_of_sliding_windows_prefills_in_chunks_of_positions_on_the_gpu(
 
     import transformers
 
-    from tandem.generation import kv_cache
-
-    base = transformers.AutoConfig.from_pretrained(DEFAULT_MODEL_DIR)
-    config = transformers.Qwen2Config(
-        **{**base.to_dict(), "layer_types": None, "use_sliding_window": True}
-    )
-    config.sliding_window, config.max_window_layers = 4, 0
-    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
-    windowed = transformers.Qwen2ForCausalLM(config)
-    windowed.load_state_dict(
-        transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR).state_dict()
-    )
-    windowed.save_pretrained(tmp_path)
+    base = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR)
+    sliding_window_model(base).save_pretrained(tmp_path)
     for name in DEFAULT_MODEL_DIR.iterdir():  # the tokenizer's files
         if "token" in name.name and not (tmp_path / name.name).exists():
             shutil.copy(name, tmp_path / name.name)
@@ -213,30 +205,10 @@ def test_a_model_of_sliding_windows_prefills_in_chunks_of_positions_on_the_gpu(
     prompts = [generator.tokenizer.encode(t, add_special_tokens=False) for t in texts]
     params = SamplingParams(temperature=2.0, max_tokens=16, n=4, seed=3)
     whole = generator.generate(prompts, params)  # one call: PREFILL_TOKENS >> the prompts
-    calls: list[tuple[int, int, int]] = []  # (rows, positions, keys)
-    hook = generator.model.register_forward_pre_hook(
-        lambda _m, _a, kw: calls.append((*kw["input_ids"].shape, kw["attention_mask"].shape[-1])),
-        with_kwargs=True,
-    )
-    monkeypatch.setattr(kv_cache, "PREFILL_TOKENS", 2 * len(prompts))  # two positions a call
-    try:
-        chunked = generator.generate(prompts, params)
-    finally:
-        hook.remove()
-    width = max(len(p) for p in prompts)
-    prefill = [call for call in calls if call[2] <= width]  # a decode step reads more keys
-    ends = [min(start + 2, width) for start in range(0, width, 2)]
-    assert prefill == [
-        (len(prompts), end - start, end)
-        for start, end in zip(range(0, width, 2), ends, strict=True)
-    ]
+    chunked = generate_two_positions_a_call(generator, prompts, params, monkeypatch)
     assert [r.response_token_ids for r in chunked] == [r.response_token_ids for r in whole]
     assert max(len(r.response_token_ids) for r in chunked) > 4  # decoded past a window
     for c, w in zip(chunked, whole, strict=True):
         assert c.response_logprobs == pytest.approx(w.response_logprobs, rel=1e-4, abs=1e-4)
-        ids = torch.tensor([c.prompt_token_ids + c.response_token_ids], device="cuda:0")
-        with torch.no_grad():
-            logits = generator.model(ids).logits[0, len(c.prompt_token_ids) - 1 : -1].float()
-        response = torch.tensor(c.response_token_ids, device="cuda:0")[:, None]
-        direct = torch.log_softmax(logits, -1).gather(-1, response)[:, 0]
-        assert c.response_logprobs == pytest.approx(direct.tolist(), abs=1e-4)
+        direct = forward_logprobs(generator.model, c)  # the model's own
+        assert c.response_logprobs == pytest.approx(direct, abs=1e-4)

@@ -3,6 +3,7 @@ from typing import Any
 
 import pytest
 import torch
+from in_flight import generate_two_positions_a_call, sliding_window_model
 from safetensors.torch import load_file
 
 from tandem.assets import DEFAULT_MODEL_DIR
@@ -607,40 +608,13 @@ def test_a_gpu_decode_without_windows_prefills_in_chunks_of_positions(
     tokens, each chunk over the keys of the chunks before; so does a prefill again (rows
     whose weights changed mid-decode prefill their decoded tokens too). The samples are
     those of one call, for the embedded model's cache and for a model of sliding windows."""
-    import transformers
-
-    from tandem.generation import kv_cache
-
     ids = _prompt_ids(generator)
-    model = generator.model
-    if sliding:  # the embedded model's weights with windows of 4 positions in every layer
-        config = transformers.Qwen2Config(
-            **{**model.config.to_dict(), "layer_types": None, "use_sliding_window": True},
-        )
-        config.sliding_window, config.max_window_layers = 4, 0
-        config.layer_types = ["sliding_attention"] * config.num_hidden_layers
-        windowed = transformers.Qwen2ForCausalLM(config).eval()
-        windowed.load_state_dict(model.state_dict())
-        monkeypatch.setattr(generator, "model", windowed)
+    if sliding:
+        monkeypatch.setattr(generator, "model", sliding_window_model(generator.model))
     params = SamplingParams(temperature=1.0, max_tokens=24, n=4, seed=3)
     whole = generator.generate(ids, params)
-    rows = len(ids)  # the n samples of a prompt prefill once
-    tokens = 2 * rows  # two positions a call
-    calls: list[tuple[int, int, int]] = []  # (rows, positions, keys)
-    hook = generator.model.register_forward_pre_hook(
-        lambda _m, _a, kw: calls.append((*kw["input_ids"].shape, kw["attention_mask"].shape[-1])),
-        with_kwargs=True,
-    )
     monkeypatch.setattr(generator, "_chunked_prefill", lambda: True)
-    monkeypatch.setattr(kv_cache, "PREFILL_TOKENS", tokens)
-    try:
-        chunked = generator.generate(ids, params)
-    finally:
-        hook.remove()
-    width = max(len(p) for p in ids)
-    prefill = [call for call in calls if call[2] <= width]  # a decode step reads more keys
-    chunks = [(start, min(start + 2, width)) for start in range(0, width, 2)]
-    assert prefill == [(rows, end - start, end) for start, end in chunks]
+    chunked = generate_two_positions_a_call(generator, ids, params, monkeypatch)
     assert [r.response_token_ids for r in chunked] == [r.response_token_ids for r in whole]
     for c, w in zip(chunked, whole, strict=True):
         assert c.response_logprobs == pytest.approx(w.response_logprobs, rel=1e-4, abs=1e-5)
