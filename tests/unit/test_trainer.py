@@ -183,14 +183,19 @@ def test_compiled_layers_keep_names_and_train_like_eager(model_dir: Path) -> Non
 
 
 @pytest.mark.xdist_group("inductor")
-def test_a_compiled_trainer_reports_the_graphs_each_step_built(tmp_path: Path) -> None:
+def test_a_compiled_trainer_reports_the_graphs_each_step_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``compile/graphs`` and ``compile/seconds`` of a step: the first builds the graphs, a
     step of other lengths builds none, and one with a form of call not seen before builds
     more: a micro-batch of one row (torch specialises sizes of 1) or another intra-op thread
-    count (torch's guards check it)."""
+    count (torch's guards check it). With torch's limit of graphs lowered to 2, the third is
+    built too (``COMPILE_FORMS``: a policy with a reference and one-row micro-batches
+    builds 8, torch's default limit, past which a form would run eagerly)."""
     from tandem.cluster.actors import TrainerWorker, intra_op_threads
     from tandem.config.models import GenerationConfig, RefitConfig
 
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     config = policy(write_tiny_qwen2(tmp_path, tied=True), compile=True)
     worker = TrainerWorker(config, RefitConfig(transport="colocated"), GenerationConfig())
     torch._dynamo.reset()  # graphs earlier tests built would serve this one
@@ -204,6 +209,8 @@ def test_a_compiled_trainer_reports_the_graphs_each_step_built(tmp_path: Path) -
     with intra_op_threads(torch.get_num_threads() + 1):
         other = worker.train(make_batch(seed=4, size=3), token_nll)
     assert other["compile/graphs"] > 0 and other["compile/seconds"] > 0
+    steps = (first, again, one_row, other)
+    assert sum(step["compile/graphs"] for step in steps) > 2  # past the lowered limit
 
 
 def prompt_group(prompt: int, completions: list[int]) -> TrainBatch:

@@ -114,6 +114,14 @@ def vision_tower(model: nn.Module) -> nn.Module | None:
     return getattr(getattr(model, "model", None), "visual", None)
 
 
+COMPILE_FORMS = 64
+"""Graphs the compiled layers may build (torch's ``recompile_limit``, 8 by default). Every form
+of call is a graph of its own, built once: grad mode, checkpointing's recomputation, a
+reference's frozen parameters, a micro-batch of one row (torch specialises sizes of 1). A policy
+with a reference and one-row micro-batches already builds 8; past the limit a new form would
+run eagerly, unsaid."""
+
+
 def compile_layers(model: nn.Module) -> None:
     """``torch.compile`` every decoder layer in place (``nn.Module.compile``: the module tree,
     parameter names and state dicts stay as they are), before checkpointing wraps the layers
@@ -124,6 +132,8 @@ def compile_layers(model: nn.Module) -> None:
     default compiles the first shape statically and then once more for the next length."""
     for layer in decoder_layers(model):
         layer.compile(dynamic=True)
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, COMPILE_FORMS)
     if "TORCH_LOGS" not in os.environ:  # why a graph compiles again: to the run's console log
         torch._logging.set_logs(recompiles=True)
 
